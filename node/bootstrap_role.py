@@ -1,0 +1,84 @@
+"""The ``bootstrap`` role: the swarm's stable DHT entry point and its coordinator service.
+
+Ready as soon as it listens (it needs no peers). Serves ``Coordinator.ListNodes`` (the run's
+live node cards) and keeps ``swarmnode_swarm_nodes{role,state}`` current for dashboards.
+Later coordinator services (run manifest, SkipPipe schedules) join this servicer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from node.card import CardView, read_cards
+from node.metrics import RPC_REJECTED, SWARM_NODES
+from node.roles import NodeContext, register
+from protocol import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("swarmnode.bootstrap")
+
+
+def card_view_pb(view: CardView) -> coordinator_pb2.NodeCardView:
+    c = view.card
+    return coordinator_pb2.NodeCardView(
+        peer_id=view.peer_id, role=c.role, state=c.state, version=c.version, grpc_addr=c.grpc_addr,
+        started_at=c.started_at, age_s=view.age_s, details={k: str(v) for k, v in c.details.items()})
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, ctx: NodeContext):
+        self.ctx = ctx
+
+    async def ListNodes(self, request, context):  # noqa: N802 - gRPC API
+        if request.run_id and request.run_id != self.ctx.config.run_id:
+            RPC_REJECTED.labels(reason="schema").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this coordinator serves run {self.ctx.config.run_id!r}, not {request.run_id!r}; "
+                                "pass the right --run-id")
+        views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
+        return coordinator_pb2.ListNodesReply(nodes=[card_view_pb(v) for v in views])
+
+
+@register
+class BootstrapRole:
+    name = "bootstrap"
+
+    @classmethod
+    def validate_config(cls, config: Any) -> None:
+        return None
+
+    def __init__(self, ctx: NodeContext, role_config: Any):
+        self.ctx = ctx
+
+    def services(self):
+        return [(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(self.ctx),
+                 "swarmnode.Coordinator")]
+
+    async def start(self) -> None:
+        self.ctx.supervisor.spawn("swarm_census", self._census)
+        await self.ctx.set_role_ready(True, "ready", "")
+
+    async def _census(self) -> None:
+        seen: set[tuple[str, str]] = set()
+        while True:
+            try:
+                views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
+            except Exception as exc:  # noqa: BLE001 - census is best-effort; next tick retries
+                log.debug("census failed: %r", exc)
+                views = None
+            if views is not None:
+                counts: dict[tuple[str, str], int] = {}
+                for v in views:
+                    counts[(v.card.role, v.card.state)] = counts.get((v.card.role, v.card.state), 0) + 1
+                for key in seen - counts.keys():
+                    SWARM_NODES.labels(role=key[0], state=key[1]).set(0)
+                for (role, state), n in counts.items():
+                    SWARM_NODES.labels(role=role, state=state).set(n)
+                seen |= counts.keys()
+            await asyncio.sleep(5.0)
+
+    async def drain(self, budget_s: float) -> None:
+        return None

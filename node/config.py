@@ -1,0 +1,326 @@
+"""Typed node configuration: defaults < TOML (``--config``) < ``SWARMNODE_*`` env < CLI.
+
+Owns the top-level :class:`NodeConfig`, the sections the daemon itself uses (identity, dht,
+grpc, ops, drain, card) and the loader that turns any mistake into a :class:`ConfigError`
+naming the field and what is allowed. Sections owned by other modules (netem, preemption,
+log) are imported from them. Role sections (``[noloco]``, ``[model]``, ``[data]`` ...) are
+kept as raw tables here and validated by the role's own config class (``node/roles.py``),
+so ``node/`` never imports a role.
+
+Env: ``SWARMNODE_OPS__PORT=9500``, lists as JSON
+(``SWARMNODE_DHT__INITIAL_PEERS='["/ip4/…/p2p/12D3KooW…"]'``). CLI: named flags and
+``--set dht.host_port=31338`` (JSON if it parses, else a string).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from node.logs import LogConfig
+from node.netem import NetemConfig
+from node.preemption import PreemptionConfig
+
+ENV_PREFIX = "SWARMNODE_"
+ROLES = ("bootstrap", "noloco", "stage", "grpo")
+
+_MADDR = re.compile(
+    r"^/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp/\d{1,5}|udp/\d{1,5}/quic(-v1)?)(/p2p/[1-9A-HJ-NP-Za-km-z]{40,60})$")
+
+
+class ConfigError(Exception):
+    """A config or usage mistake; the message names the field and the fix. Exit code 2."""
+
+    exit_code = 2
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+def check_peer_maddr(value: str) -> str:
+    """Validate one initial-peer multiaddr (must end in ``/p2p/<peer id>``)."""
+    if not isinstance(value, str) or not _MADDR.match(value.strip()):
+        raise ValueError(
+            f"{value!r} is not a peer multiaddr; expected /ip4/<ip>/tcp/<port>/p2p/<peer id>, as printed "
+            "by `swarmnode bootstrap` or served at http://<bootstrap>:<ops port>/peerinfo")
+    return value.strip()
+
+
+class IdentityConfig(_Section):
+    path: str = "~/.local/share/swarmnode/identity.key"
+    """Ed25519 key file (go-libp2p format). The peer ID derives from it: keep it on a volume so a
+    restarted node keeps its ID. Never key material here, only a path."""
+
+    create_if_missing: bool = True
+    """Write a new Ed25519 key at ``path`` on first start. Set false in production images where a
+    missing key means a missing volume (then the node exits 3 instead of taking a new ID)."""
+
+    allow_insecure_mode: bool = False
+    """Accept a key file readable by group/others. Only for the public demo key in ``deploy/``."""
+
+
+class DhtConfig(_Section):
+    initial_peers: list[str] = Field(default_factory=list)
+    """Multiaddrs of live peers (usually the bootstrap), e.g. ``/ip4/203.0.113.10/tcp/31337/p2p/12D3KooW…``.
+    Empty means this node starts a new swarm (a bootstrap does)."""
+
+    host_port: int = Field(31337, ge=0, le=65535)
+    """TCP port for libp2p. 0 picks a free one (tests); fixed ports are easier to open in firewalls."""
+
+    announce_maddrs: list[str] = Field(default_factory=list)
+    """Addresses others should dial, when behind NAT: ``["/ip4/<public ip>/tcp/31337"]``."""
+
+    startup_timeout_s: float = Field(30.0, gt=0)
+    """Seconds p2pd may take to start. Raise on slow disks if logs show `Daemon failed to start`."""
+
+    bootstrap_timeout_s: float = Field(5.0, gt=0)
+    """Per-attempt timeout for dialling and pinging one initial peer."""
+
+    retry_max_s: float = Field(60.0, gt=0)
+    """Cap of the exponential backoff (1 s, 2 s, 4 s …) between bootstrap attempts."""
+
+    bootstrap_deadline_s: float | None = Field(None, gt=0)
+    """Give up (exit 4) when no initial peer answered for this long. None retries forever, which is
+    right under an orchestrator that restarts on failure anyway."""
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        return [check_peer_maddr(p) for p in v]
+
+
+class GrpcConfig(_Section):
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC listen port for role-to-role calls. 0 picks a free one."""
+
+    max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024 * 1024, le=64 * 1024 * 1024)
+    """Largest single gRPC message, both directions, server and channels. Tensors are streamed in
+    chunks below this, so raising it is rarely the fix for a large model."""
+
+    max_concurrent_rpcs: int = Field(64, ge=1)
+    """Concurrent RPCs this server accepts; beyond it callers get RESOURCE_EXHAUSTED."""
+
+    grace_s: float = Field(5.0, ge=0)
+    """Seconds in-flight RPCs get to finish during drain."""
+
+
+class OpsConfig(_Section):
+    port: int = Field(9400, ge=0, le=65535)
+    """HTTP port for /metrics, /healthz, /readyz and /peerinfo. 0 picks a free one."""
+
+
+class DrainConfig(_Section):
+    budget_s: float = Field(20.0, gt=0)
+    """Total seconds from SIGTERM to exit. Keep it below the container stop timeout
+    (``docker run --stop-timeout``) and below the spot provider's window (GCP: 30 s)."""
+
+
+class CardConfig(_Section):
+    ttl_s: float = Field(30.0, gt=1, le=55)
+    """Lifetime of this node's card in the DHT; a vanished node disappears from `status` after it."""
+
+    refresh_s: float = Field(10.0, gt=0)
+    """How often the card is re-published. Keep it well below ``ttl_s`` (a third is typical)."""
+
+    @model_validator(mode="after")
+    def _refresh_below_ttl(self) -> "CardConfig":
+        if self.refresh_s >= self.ttl_s:
+            raise ValueError(f"card.refresh_s={self.refresh_s} must be below card.ttl_s={self.ttl_s}; "
+                             "use about a third of the TTL")
+        return self
+
+
+class NodeConfig(BaseSettings):
+    """The whole effective configuration of one node."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid",
+        use_attribute_docstrings=True, case_sensitive=False)
+
+    _toml_file: ClassVar[Path | None] = None
+
+    run_id: str = Field("swarmnode", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """Name of the training run; nodes only see and talk to nodes of the same run."""
+
+    role: Literal["bootstrap", "noloco", "stage", "grpo"] = "noloco"
+    """What this node does in the swarm."""
+
+    host: str = "0.0.0.0"
+    """IP this node binds for DHT, gRPC and ops HTTP. 127.0.0.1 for a local swarm."""
+
+    advertise_host: str | None = None
+    """IP peers should use for this node's gRPC address (node card). Defaults to ``host``, or
+    127.0.0.1 when ``host`` is 0.0.0.0."""
+
+    identity: IdentityConfig = Field(default_factory=IdentityConfig)
+    dht: DhtConfig = Field(default_factory=DhtConfig)
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig)
+    ops: OpsConfig = Field(default_factory=OpsConfig)
+    drain: DrainConfig = Field(default_factory=DrainConfig)
+    card: CardConfig = Field(default_factory=CardConfig)
+    netem: NetemConfig = Field(default_factory=NetemConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    # Role-owned sections: validated by the role's config class at start (node/roles.py).
+    model: dict[str, Any] = Field(default_factory=dict)
+    """Model section, validated by the role (see models/config.py)."""
+    data: dict[str, Any] = Field(default_factory=dict)
+    """Data section, validated by the role (see models/config.py)."""
+    noloco: dict[str, Any] = Field(default_factory=dict)
+    """NoLoCo/DiLoCo section, validated by the noloco role (see optimizers/config.py)."""
+    stage: dict[str, Any] = Field(default_factory=dict)
+    """Pipeline stage section (pipeline role)."""
+    grpo: dict[str, Any] = Field(default_factory=dict)
+    """GRPO section (grpo role)."""
+
+    @field_validator("host", "advertise_host")
+    @classmethod
+    def _ip(cls, v: str | None) -> str | None:
+        import ipaddress
+        if v is None:
+            return v
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address; use e.g. 0.0.0.0 or 127.0.0.1") from None
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "NodeConfig":
+        if self.preemption.provider == "gcp" and self.drain.budget_s > 25:
+            raise ValueError(f"drain.budget_s={self.drain.budget_s} does not fit GCP's 30 s preemption window; "
+                             "use 25 or less")
+        return self
+
+    @property
+    def grpc_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
+        return tuple(sources)
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """Turn ``["dht.host_port=31338", "noloco.inner_steps=5"]`` into a nested dict."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set dht.host_port=31338")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"--set {item!r}: empty key")
+        cur = out
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise ConfigError(f"--set {item!r}: {p} is set both as a value and a section")
+        cur[parts[-1]] = value
+    return out
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _check_env_names(environ: dict[str, str]) -> None:
+    """pydantic-settings ignores a misspelt top-level SWARMNODE_* variable: refuse it instead."""
+    fields = set(NodeConfig.model_fields)
+    for name in environ:
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        top = name[len(ENV_PREFIX):].lower().split("__", 1)[0]
+        if top not in fields:
+            close = difflib.get_close_matches(top, sorted(fields), n=1)
+            hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
+            raise ConfigError(f"environment variable {name} matches no config key{hint} "
+                              f"(valid sections: {', '.join(sorted(fields))})")
+
+
+def format_validation_error(exc: ValidationError, source: str = "config") -> str:
+    lines = [f"invalid {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (remove it, or check its spelling against the README's config reference)"
+        given = err.get("input")
+        shown = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(given, dict) else f" (got {given!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(config_file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> NodeConfig:
+    """Build the effective config. Raises :class:`ConfigError` with a readable message."""
+    environ = dict(os.environ) if environ is None else environ
+    _check_env_names(environ)
+    path = None
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found; pass an existing TOML file to --config "
+                              "(examples in deploy/configs/)")
+        import tomllib
+        try:
+            tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    saved_env = {k: v for k, v in os.environ.items() if k.upper().startswith(ENV_PREFIX)}
+    NodeConfig._toml_file = path
+    try:
+        # pydantic-settings reads os.environ: present exactly `environ`'s SWARMNODE_* names.
+        for k in saved_env:
+            del os.environ[k]
+        os.environ.update({k: v for k, v in environ.items() if k.upper().startswith(ENV_PREFIX)})
+        return NodeConfig(**(overrides or {}))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+    except ValueError as exc:  # e.g. env value that is not JSON for a list field
+        raise ConfigError(f"invalid config: {exc}") from None
+    finally:
+        NodeConfig._toml_file = None
+        for k in [k for k in os.environ if k.upper().startswith(ENV_PREFIX)]:
+            del os.environ[k]
+        os.environ.update(saved_env)
+
+
+_SECRET_WORDS = ("key", "token", "secret", "password")
+
+
+def redacted(cfg: NodeConfig) -> dict[str, Any]:
+    """The config as a dict with secret-looking values masked (paths are kept: they are not secrets)."""
+    def walk(obj: Any, name: str = "") -> Any:
+        if isinstance(obj, dict):
+            return {k: walk(v, k) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v, name) for v in obj]
+        if isinstance(obj, str) and any(w in name.lower() for w in _SECRET_WORDS) and not name.endswith(("path", "_url")):
+            return "***"
+        return obj
+    return walk(cfg.model_dump(mode="json"))

@@ -1,0 +1,260 @@
+"""One node's life from start to exit: start order, readiness, drain.
+
+Start order (ops.md §3): identity -> hivemind DHT (forks p2pd and its process before any gRPC
+object exists) -> gRPC server -> ops HTTP -> joining loop, node card, role. SIGTERM, SIGINT
+or a spot-preemption notice start the same drain, once: readiness off and gRPC health
+NOT_SERVING, DRAINING card, role drain, gRPC stop with grace, OFFLINE card, DHT shutdown,
+exit 0 — within ``drain.budget_s``. A second SIGINT aborts with 130.
+
+Owns the orchestration only; every step's mechanics live in their own module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from node import metrics
+from node.card import CARD_NAMESPACE, CardPublisher
+from node.config import NodeConfig, redacted
+from node.grpc_server import GrpcHost, NodeServicer
+from node.identity import ensure_identity
+from node.lifecycle import Lifecycle, State
+from node.logs import set_context
+from node.membership import Membership
+from node.netem import LinkEmulator
+from node.ops_http import OpsServer
+from node.preemption import PreemptionWatcher
+from node.roles import NodeContext, load_role
+from node.supervisor import Supervisor
+from node.version import VERSION
+from protocol import node_pb2, node_pb2_grpc
+from security.records import SignedRecordValidator
+
+log = logging.getLogger("swarmnode.daemon")
+
+EXIT_OK, EXIT_ERROR, EXIT_BOOTSTRAP_GAVE_UP, EXIT_ABORT = 0, 1, 4, 130
+
+
+class Node:
+    """A running node. Build with :meth:`prepare` (sync, forks the DHT), then ``await run()``."""
+
+    def __init__(self, cfg: NodeConfig):
+        self.cfg = cfg
+        self.role_cls = load_role(cfg.role)
+        self.role_cfg = self.role_cls.validate_config(cfg)
+        self.started_at = time.time()
+        self.lifecycle = Lifecycle()
+        self.membership: Membership | None = None
+        self.peer_id = ""
+        self._exit_code = EXIT_OK
+        self._drain_started = False
+        self._stop = None  # asyncio.Event, made on the loop
+        self._role_ready = (False, "role_init", "building the role")
+        self._sigint_count = 0
+        self._was_ready = False
+
+    # ---- synchronous part: before the event loop and before any gRPC object ----
+    def prepare(self) -> None:
+        key, self.peer_id, key_path = ensure_identity(self.cfg.identity)
+        set_context(peer_id=self.peer_id, role=self.cfg.role, run_id=self.cfg.run_id, state="joining")
+        log.info("effective config", extra={"event": "config_effective", "config": redacted(self.cfg),
+                                            "version": VERSION})
+        namespaces = [CARD_NAMESPACE, *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
+        validator = SignedRecordValidator(self.cfg.run_id, key, namespaces)
+        self.membership = Membership(self.cfg, key_path, [validator])
+        self.membership.start_dht()
+        if self.membership.peer_id != self.peer_id:  # hivemind must have used our Ed25519 key
+            raise RuntimeError(f"DHT peer ID {self.membership.peer_id} differs from the key's {self.peer_id}")
+        metrics.set_identity(self.cfg.run_id, self.cfg.role, VERSION, self.peer_id)
+        metrics.REGISTRY.register(metrics.DhtCollector(self.membership.probe))
+
+    # ---- helpers read by ops HTTP and gRPC ----
+    def peerinfo(self) -> dict[str, Any]:
+        assert self.membership is not None
+        return {"peer_id": self.peer_id, "maddrs": self.membership.visible_maddrs(),
+                "grpc_addr": self.grpc_addr, "run_id": self.cfg.run_id, "role": self.cfg.role}
+
+    def health(self) -> tuple[bool, str]:
+        if self.membership is None or not self.membership.alive():
+            return False, "dht_process_exited"
+        if not self.supervisor.healthy:
+            return False, f"task_failed:{self.supervisor.failed}"
+        return True, "ok"
+
+    def info(self) -> node_pb2.NodeInfo:
+        state, reason, _ = self.lifecycle.snapshot()
+        return node_pb2.NodeInfo(peer_id=self.peer_id, run_id=self.cfg.run_id, role=self.cfg.role, state=state.value,
+                                 reason=reason, version=VERSION, started_at=self.started_at, grpc_addr=self.grpc_addr)
+
+    # ---- readiness: membership half + role half ----
+    async def _refresh_readiness(self) -> None:
+        if self.lifecycle.state in (State.DRAINING, State.OFFLINE):
+            return
+        assert self.membership is not None
+        status = self.membership.status
+        if not status.joined:
+            if self._was_ready:
+                reason = "dht_no_peers"
+            else:
+                reason = "dht_bootstrap_failed" if status.attempts else "dht_starting"
+            await self.lifecycle.move(State.JOINING, reason, status.detail())
+            return
+        ready, reason, detail = self._role_ready
+        if not ready:
+            await self.lifecycle.move(State.JOINING, reason, detail)
+            return
+        self._was_ready = True
+        await self.lifecycle.move(State.READY, "ready", "")
+
+    async def set_role_ready(self, ready: bool, reason: str = "ready", detail: str = "") -> None:
+        self._role_ready = (ready, reason, detail)
+        await self._refresh_readiness()
+
+    async def _join_loop(self) -> None:
+        """Join, then watch the routing table; re-bootstrap when it empties (dht_no_peers)."""
+        assert self.membership is not None
+        while True:
+            ok = await self.membership.join(lambda status: self._refresh_readiness())
+            if not ok:
+                log.error("no initial peer answered within dht.bootstrap_deadline_s; giving up (exit 4)",
+                          extra={"event": "bootstrap_gave_up"})
+                self._exit_code = EXIT_BOOTSTRAP_GAVE_UP
+                self._stop.set()
+                return
+            if not self.cfg.dht.initial_peers:
+                return  # a swarm's first node (the bootstrap) needs no peers to be ready
+            while True:
+                await asyncio.sleep(5.0)
+                if await self.membership.peer_count() == 0:
+                    log.warning("routing table empty: re-bootstrapping", extra={"event": "dht_no_peers"})
+                    self.membership.status.joined = False
+                    self.membership.status.attempts = 0
+                    await self._refresh_readiness()
+                    break
+
+    # ---- the async life ----
+    async def run(self) -> int:
+        assert self.membership is not None
+        cfg = self.cfg
+        self._stop = asyncio.Event()
+        self.supervisor = Supervisor(on_fatal=lambda name, exc: self._fatal(name))
+        self.grpc = GrpcHost(cfg.host, cfg.grpc.port, cfg.grpc.max_message_bytes, cfg.grpc.max_concurrent_rpcs)
+        port = self.grpc.bind()
+        self.grpc_addr = f"{cfg.grpc_host}:{port}"
+        self.card = CardPublisher(self.membership, cfg.card, cfg.run_id, self.peer_id, cfg.role, VERSION,
+                                  self.grpc_addr, self.started_at)
+        self.netem = LinkEmulator(cfg.netem)
+        ctx = NodeContext(config=cfg, peer_id=self.peer_id, lifecycle=self.lifecycle, membership=self.membership,
+                          card=self.card, server=self.grpc.server, grpc_addr=self.grpc_addr,
+                          supervisor=self.supervisor, netem=self.netem, set_role_ready=self.set_role_ready)
+        self.role = self.role_cls(ctx, self.role_cfg)
+        self.grpc.add(node_pb2_grpc.add_NodeServicer_to_server, NodeServicer(self.info, self.peerinfo),
+                      "swarmnode.Node")
+        for add_fn, servicer, name in self.role.services():
+            self.grpc.add(add_fn, servicer, name)
+        self.ops = OpsServer(cfg.host, cfg.ops.port, self.lifecycle, self.health, self.peerinfo)
+        self.lifecycle.subscribe(metrics.follow_lifecycle)
+        self.lifecycle.subscribe(lambda s, r, d: set_context(state=s.value))
+        self.lifecycle.subscribe(self.grpc.on_state)
+        self.lifecycle.subscribe(self.card.on_state)
+        metrics.follow_lifecycle(*self.lifecycle.snapshot())
+        await self.grpc.start()
+        self.ops.start()
+        log.info("node listening", extra={"event": "node_listening", "grpc_addr": self.grpc_addr,
+                                          "ops_port": self.ops.port, "maddrs": self.membership.visible_maddrs()})
+        self._install_signals()
+        self.supervisor.spawn("card", self.card.run)
+        self.supervisor.spawn("join", self._join_loop)
+        watcher = PreemptionWatcher(cfg.preemption, on_notice=self._on_preemption,
+                                    on_count=lambda src: metrics.PREEMPTION_NOTICES.labels(source=src).inc())
+        self.supervisor.spawn("preemption", watcher.run)
+        await self.role.start()
+        await self._refresh_readiness()
+        await self._stop.wait()
+        await self.drain(self._trigger)
+        return self._exit_code
+
+    _trigger = "sigterm"
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_drain, "sigterm")
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self) -> None:
+        self._sigint_count += 1
+        if self._sigint_count >= 2:
+            log.warning("second Ctrl-C: aborting without drain (exit 130)", extra={"event": "abort"})
+            if self.membership is not None:
+                self.membership.shutdown()
+            os._exit(EXIT_ABORT)
+        self.request_drain("sigint")
+
+    def request_drain(self, trigger: str) -> None:
+        if self._drain_started:
+            return  # a later SIGTERM is ignored
+        self._drain_started = True
+        self._trigger = trigger
+        self._stop.set()
+
+    async def _on_preemption(self, source: str) -> None:
+        log.warning("spot preemption notice from %s: draining", source, extra={"event": "preemption_notice",
+                                                                                "source": source})
+        self.request_drain(source)
+
+    def _fatal(self, task: str) -> None:
+        self._exit_code = EXIT_ERROR
+        self.request_drain(f"task_failed:{task}")
+
+    async def _step(self, name: str, coro, limit: float) -> None:
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(coro, max(0.05, limit))
+            overrun = False
+        except asyncio.TimeoutError:
+            overrun = True
+        except Exception as exc:  # noqa: BLE001 - a drain step failing must not stop the drain
+            log.warning("drain step %s failed: %r", name, exc, extra={"event": "drain_step_failed", "step": name})
+            overrun = False
+        dt = time.monotonic() - t0
+        log.log(logging.WARNING if overrun else logging.INFO, "drain step %s took %.2f s%s", name, dt,
+                " (over its budget)" if overrun else "",
+                extra={"event": "drain_step", "step": name, "duration_s": round(dt, 3), "overrun": overrun})
+
+    async def drain(self, trigger: str) -> None:
+        self._drain_started = True
+        budget = self.cfg.drain.budget_s
+        t0 = time.monotonic()
+        left = lambda: budget - (time.monotonic() - t0)  # noqa: E731
+        await self.lifecycle.move(State.DRAINING, "draining", f"trigger: {trigger}")
+        await self._step("card_draining", self.card.publish(), min(1.0, left()))
+        await self._step("role", self.role.drain(max(0.0, min(budget * 0.5, left() - 5))), min(budget * 0.5, left() - 4))
+        await self._step("grpc_stop", self.grpc.stop(min(self.cfg.grpc.grace_s, max(0.0, left() - 3))),
+                         min(self.cfg.grpc.grace_s + 1, left() - 2))
+        await self.lifecycle.move(State.OFFLINE, "offline", f"trigger: {trigger}")
+        await self._step("card_offline", self.card.publish(), min(1.0, left() - 1.5))
+        await self.supervisor.cancel_all(timeout=1.0)
+        await self._step("dht_shutdown", asyncio.to_thread(self.membership.shutdown), min(3.0, max(0.5, left())))
+        self.ops.stop()
+        dt = time.monotonic() - t0
+        metrics.DRAIN_DURATION.set(dt)
+        log.info("drained in %.2f s (trigger %s)", dt, trigger,
+                 extra={"event": "drained", "duration_s": round(dt, 3), "trigger": trigger})
+
+
+def run_node(cfg: NodeConfig) -> int:
+    """Start a node and block until it exits; returns the process exit code."""
+    import uvloop
+
+    node = Node(cfg)
+    node.prepare()
+    try:
+        return uvloop.run(node.run())
+    finally:
+        if node.membership is not None:
+            node.membership.shutdown()

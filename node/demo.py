@@ -1,0 +1,135 @@
+"""``swarmnode demo``: a whole swarm on 127.0.0.1 with embedded defaults, progress on the terminal.
+
+    swarmnode demo                       # bootstrap + 4 noloco workers, trains the tiny model
+    swarmnode demo --nodes 2 --steps 60 --json
+    swarmnode demo --role bootstrap --nodes 3 --duration 20   # membership only, no training
+
+Starts real node processes (``node/localswarm.py``), prints one line per node every few
+seconds (state, and for training roles: steps, loss, outer rounds, eval loss) and a summary at
+the end. Training roles stop by themselves after ``--steps``; ``--duration`` or Ctrl-C stop
+earlier. Everything runs from the embedded defaults: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from typing import Any
+
+from node.localswarm import LocalSwarm, NodeProc
+
+TRAINING_ROLES = ("noloco",)
+
+
+def _default_role() -> str:
+    from node.roles import load_role
+    try:
+        load_role("noloco")
+        return "noloco"
+    except Exception:  # noqa: BLE001 - role not installed: membership-only demo
+        return "bootstrap"
+
+
+def _m(metrics: dict[str, float], name: str) -> float | None:
+    for key, value in metrics.items():
+        if key == name or key.startswith(name + "{"):
+            return value
+    return None
+
+
+def _sum(metrics: dict[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def node_progress(node: NodeProc) -> dict[str, Any]:
+    r = node.readyz() or {}
+    m = node.metrics() if node.alive() else {}
+    if m:
+        node.extra["last_metrics"] = m
+    m = m or node.extra.get("last_metrics", {})
+    return {"name": node.name, "state": r.get("state", "exited" if not node.alive() else "starting"),
+            "reason": r.get("reason", ""), "steps": _m(m, "swarmnode_train_steps_total"),
+            "loss": _m(m, "swarmnode_train_loss"), "eval_loss": _m(m, "swarmnode_eval_loss"),
+            "eval_loss_start": _m(m, "swarmnode_eval_loss_initial"),
+            "loss_start": _m(m, "swarmnode_train_loss_initial"),
+            "rounds": _sum(m, "swarmnode_outer_rounds_total"),
+            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def print_progress(rows: list[dict[str, Any]], t: float) -> None:
+    parts = []
+    for r in rows:
+        if r["steps"] is None:
+            parts.append(f"{r['name']}:{r['state']}")
+        else:
+            parts.append(f"{r['name']}: step {int(r['steps'])} loss {_fmt(r['loss'])} "
+                         f"rounds {int(r['rounds'])}")
+    print(f"[{t:6.1f}s] " + " | ".join(parts), flush=True)
+
+
+def summarize(rows: list[dict[str, Any]], nodes: int, wall: float) -> dict[str, Any]:
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+    return {"nodes": nodes, "steps": int(min((r["steps"] or 0) for r in rows)) if rows else 0,
+            "loss_start": mean("loss_start"), "loss_end": mean("loss"),
+            "eval_loss_start": mean("eval_loss_start"), "eval_loss_end": mean("eval_loss"),
+            "rounds": int(min(r["rounds"] for r in rows)) if rows else 0,
+            "rounds_ok": int(sum((r["rounds_ok"] or 0) for r in rows)),
+            "wall_s": round(wall, 1), "per_node": rows}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    role = args.role or _default_role()
+    training = role in TRAINING_ROLES
+    n = args.nodes if args.nodes is not None else (4 if training else 3)
+    common = list(args.set or [])
+    if training:
+        common += ["noloco.exit_after_steps=" + str(args.steps if args.steps else 200)]
+    print(f"swarmnode demo: bootstrap + {n} {role} node(s) on 127.0.0.1"
+          + (f", {args.steps or 200} inner steps each" if training else ""), flush=True)
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    workdir = tempfile.mkdtemp(prefix="swarmnode-demo-")  # kept: node logs stay readable afterwards
+    with LocalSwarm(run_id="demo", common_set=common, workdir=workdir) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        swarm.wait_ready([boot], timeout=60)
+        print(f"bootstrap ready: {swarm.bootstrap_maddr}  (ops http://127.0.0.1:{boot.ops_port}/metrics)",
+              flush=True)
+        workers = [swarm.start(role, name=f"{role}-{i}") for i in range(n)]
+        for w in workers:
+            print(f"  {w.name}: peer {w.peer_id[:20]}… grpc 127.0.0.1:{w.grpc_port} "
+                  f"ops http://127.0.0.1:{w.ops_port}/metrics  log {w.log_path}", flush=True)
+        try:
+            while True:
+                time.sleep(3.0)
+                rows = [node_progress(w) for w in workers]
+                print_progress(rows, time.monotonic() - t0)
+                if args.duration is not None and time.monotonic() - t0 >= args.duration:
+                    break
+                if training and all(not w.alive() for w in workers):
+                    break
+        except KeyboardInterrupt:
+            print("\nstopping (Ctrl-C): draining every node…", flush=True)
+        failed = [w for w in workers if not w.alive() and w.proc.returncode not in (0, None)]
+        swarm.stop_all()
+    summary = summarize(rows, n, time.monotonic() - t0)
+    if training:
+        print(f"summary: {n} workers, {summary['steps']} steps, train loss {_fmt(summary['loss_start'])} -> "
+              f"{_fmt(summary['loss_end'])}, eval loss {_fmt(summary['eval_loss_start'])} -> "
+              f"{_fmt(summary['eval_loss_end'])}, {summary['rounds']} outer rounds", flush=True)
+    else:
+        print(f"summary: {n} {role} node(s) ran for {summary['wall_s']} s", flush=True)
+    for w in failed:
+        print(f"warning: {w.name} exited with {w.proc.returncode}; see {w.log_path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "per_node"}))
+    return 1 if failed else 0

@@ -1,0 +1,213 @@
+"""A swarm of real node processes on 127.0.0.1: used by ``swarmnode demo``, the integration
+tests and the benchmarks.
+
+Each node is a separate ``python -m node.cli`` OS process with its own key, ports and log
+file; it is stopped by PID (never by name). The bootstrap's key is written first so its
+multiaddr is known before it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (good enough for tests and the demo)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class NodeProc:
+    name: str
+    role: str
+    proc: subprocess.Popen
+    ops_port: int
+    grpc_port: int
+    dht_port: int
+    identity: Path
+    log_path: Path
+    peer_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def readyz(self) -> dict[str, Any] | None:
+        try:
+            code, body = http_get(f"http://127.0.0.1:{self.ops_port}/readyz", timeout=1.0)
+            return json.loads(body)
+        except (OSError, ValueError):
+            return None
+
+    def metrics(self) -> dict[str, float]:
+        try:
+            _, body = http_get(f"http://127.0.0.1:{self.ops_port}/metrics", timeout=2.0)
+            return parse_metrics(body.decode())
+        except OSError:
+            return {}
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+class LocalSwarm:
+    """Start/stop real nodes on 127.0.0.1. Use as a context manager: exit kills what is left."""
+
+    def __init__(self, run_id: str = "local", workdir: str | os.PathLike | None = None,
+                 common_set: list[str] | None = None, env: dict[str, str] | None = None):
+        self.run_id = run_id
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="swarmnode-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.common_set = list(common_set or [])
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.nodes: list[NodeProc] = []
+        self.bootstrap_maddr: str | None = None
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop_all()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def _identity(self, name: str) -> tuple[Path, str]:
+        from security.keys import generate_key, peer_id_str, write_key_file
+
+        path = self.workdir / f"{name}.key"
+        key = generate_key()
+        write_key_file(path, key)
+        return path, peer_id_str(key.public_key())
+
+    def start(self, role: str, name: str | None = None, extra_set: list[str] | None = None,
+              initial_peers: list[str] | None = None) -> NodeProc:
+        name = name or f"{role}-{len(self.nodes)}"
+        identity, peer_id = self._identity(name)
+        dht_port, grpc_port, ops_port = free_port(), free_port(), free_port()
+        cmd = [sys.executable, "-m", "node.cli", "run", "--role", role, "--host", "127.0.0.1",
+               "--dht-port", str(dht_port), "--grpc-port", str(grpc_port), "--metrics-port", str(ops_port),
+               "--identity", str(identity), "--run-id", self.run_id]
+        peers = initial_peers if initial_peers is not None else ([self.bootstrap_maddr] if self.bootstrap_maddr else [])
+        if peers:
+            cmd += ["--initial-peers", *peers]
+        for item in [*self.common_set, *(extra_set or [])]:
+            cmd += ["--set", item]
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
+                                    start_new_session=True)
+        node = NodeProc(name=name, role=role, proc=proc, ops_port=ops_port, grpc_port=grpc_port, dht_port=dht_port,
+                        identity=identity, log_path=log_path, peer_id=peer_id)
+        self.nodes.append(node)
+        if role == "bootstrap" and self.bootstrap_maddr is None:
+            self.bootstrap_maddr = f"/ip4/127.0.0.1/tcp/{dht_port}/p2p/{peer_id}"
+        return node
+
+    def wait_ready(self, nodes: list[NodeProc] | None = None, timeout: float = 60.0) -> float:
+        """Block until every node's /readyz says ready; return the seconds waited."""
+        nodes = self.nodes if nodes is None else nodes
+        t0 = time.monotonic()
+        pending = list(nodes)
+        while pending:
+            for n in list(pending):
+                if not n.alive():
+                    raise RuntimeError(f"{n.name} exited with {n.proc.returncode} before READY:\n{n.log_text()[-3000:]}")
+                r = n.readyz()
+                if r and r.get("ready"):
+                    pending.remove(n)
+            if pending and time.monotonic() - t0 > timeout:
+                info = {n.name: n.readyz() for n in pending}
+                raise TimeoutError(f"not READY after {timeout:.0f} s: {info}")
+            if pending:
+                time.sleep(0.2)
+        return time.monotonic() - t0
+
+    def signal(self, node: NodeProc, sig: int) -> None:
+        if node.alive():
+            os.kill(node.pid, sig)
+
+    def wait_exit(self, node: NodeProc, timeout: float) -> int | None:
+        try:
+            return node.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, node: NodeProc, timeout: float = 25.0) -> int:
+        """SIGTERM, wait for the drain, then SIGKILL the process group if it is still there."""
+        if node.alive():
+            os.kill(node.pid, signal.SIGTERM)
+        code = self.wait_exit(node, timeout)
+        if code is None:
+            self.kill(node)
+            code = node.proc.wait(timeout=10)
+        return code
+
+    def kill(self, node: NodeProc) -> None:
+        """SIGKILL the node and everything it started (its own process group: DHT, p2pd)."""
+        try:
+            os.killpg(node.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            node.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop_all(self, timeout: float = 25.0) -> None:
+        for n in self.nodes:
+            if n.alive():
+                os.kill(n.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            self.wait_exit(n, max(0.1, deadline - time.monotonic()))
+        for n in self.nodes:
+            # reap leftovers of the group too (p2pd of a SIGKILLed parent)
+            try:
+                os.killpg(n.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if n.proc.poll() is None:
+                n.proc.wait(timeout=10)

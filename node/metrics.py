@@ -1,0 +1,107 @@
+"""Node-level Prometheus metrics on an isolated registry (never the global one).
+
+Owns the registry and the node/DHT/gRPC/rejection series of ops.md §5. Role packages declare
+their own metrics in their own modules against :data:`REGISTRY`. Nothing here waits on I/O in
+the training path: values are set in memory and read by the ops HTTP thread at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from node.lifecycle import READINESS_REASONS, State
+
+log = logging.getLogger("swarmnode.metrics")
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+NODE_INFO = Gauge("swarmnode_node_info", "Identity of this node (value 1).",
+                  ["run", "role", "version", "peer_id"], registry=REGISTRY)
+BUILD_INFO = Gauge("swarmnode_build_info", "Versions of swarmnode and its key dependencies (value 1).",
+                   ["version", "torch", "hivemind", "protobuf"], registry=REGISTRY)
+STATE = Enum("swarmnode_state", "Lifecycle state of this node.", states=[s.value for s in State],
+             registry=REGISTRY)
+READINESS_REASON = Enum("swarmnode_readiness_reason", "Why the node is (not) ready.",
+                        states=list(READINESS_REASONS), registry=REGISTRY)
+START_TIME = Gauge("swarmnode_start_time_seconds", "Unix time the node process started.", registry=REGISTRY)
+TASK_FAILURES = Counter("swarmnode_task_failures_total", "Supervised background task failures.", ["task"],
+                        registry=REGISTRY)
+PREEMPTION_NOTICES = Counter("swarmnode_preemption_notices_total", "Spot preemption notices received.",
+                             ["source"], registry=REGISTRY)
+DRAIN_DURATION = Gauge("swarmnode_drain_duration_seconds", "Duration of the last drain.", registry=REGISTRY)
+BOOTSTRAP_ATTEMPTS = Counter("swarmnode_dht_bootstrap_attempts_total", "Attempts to join through initial peers.",
+                             ["outcome"], registry=REGISTRY)
+DHT_REQUESTS = Counter("swarmnode_dht_requests_total", "DHT operations issued by this node.", ["op", "outcome"],
+                       registry=REGISTRY)
+DHT_REQUEST_SECONDS = Histogram("swarmnode_dht_request_duration_seconds", "Duration of DHT operations.", ["op"],
+                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=REGISTRY)
+GRPC_HANDLED = Counter("swarmnode_grpc_server_handled_total", "gRPC calls handled by this node's server.",
+                       ["service", "method", "code"], registry=REGISTRY)
+GRPC_HANDLING_SECONDS = Histogram("swarmnode_grpc_server_handling_seconds", "gRPC server handling time.",
+                                  ["service", "method"], registry=REGISTRY)
+TRANSFER_BYTES = Counter("swarmnode_transfer_bytes_total", "Bytes of tensor streams sent or received.",
+                         ["direction", "kind"], registry=REGISTRY)
+RPC_REJECTED = Counter("swarmnode_rpc_rejected_total", "Requests rejected before handling.", ["reason"],
+                       registry=REGISTRY)
+TENSORS_REJECTED = Counter("swarmnode_tensors_rejected_total", "Received tensors rejected.", ["reason"],
+                           registry=REGISTRY)
+SWARM_NODES = Gauge("swarmnode_swarm_nodes", "Live node cards seen in the run (bootstrap view).",
+                    ["role", "state"], registry=REGISTRY)
+
+
+class DhtCollector(Collector):
+    """Asks the hivemind DHT process at scrape time: peer count and records rejected by our
+    validator. A slow or dead DHT process is skipped (1 s timeout) and counted, never blocks."""
+
+    def __init__(self, probe: Callable[[float], tuple[int, dict[str, int]] | None]):
+        self._probe = probe
+        self._timeouts = 0
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        try:
+            result = self._probe(1.0)
+        except Exception:  # noqa: BLE001 - a scrape must never fail because of the DHT
+            result = None
+        peers = GaugeMetricFamily("swarmnode_dht_peers", "Peers in this node's DHT routing table.")
+        rejected = CounterMetricFamily("swarmnode_dht_records_rejected", "DHT records rejected by validators.",
+                                       labels=["validator"])
+        timeouts = CounterMetricFamily("swarmnode_dht_scrape_timeouts", "Scrapes that could not ask the DHT process.")
+        if result is None:
+            self._timeouts += 1
+        else:
+            n_peers, rejections = result
+            peers.add_metric([], n_peers)
+            for reason, count in sorted(rejections.items()):
+                rejected.add_metric([reason], count)
+            yield peers
+            yield rejected
+        timeouts.add_metric([], self._timeouts)
+        yield timeouts
+
+
+def set_identity(run: str, role: str, version: str, peer_id: str) -> None:
+    NODE_INFO.labels(run=run, role=role, version=version, peer_id=peer_id).set(1)
+    START_TIME.set(time.time())
+    versions = {"torch": "", "hivemind": "", "protobuf": ""}
+    from importlib.metadata import PackageNotFoundError, version as pkg_version
+    for name in versions:
+        try:
+            versions[name] = pkg_version(name)
+        except PackageNotFoundError:
+            versions[name] = "missing"
+    BUILD_INFO.labels(version=version, **versions).set(1)
+
+
+def follow_lifecycle(state: State, reason: str, detail: str) -> None:
+    """Lifecycle listener: keep the state enums current."""
+    STATE.state(state.value)
+    READINESS_REASON.state(reason if reason in READINESS_REASONS else ("ready" if state is State.READY else "role_init"))

@@ -1,0 +1,131 @@
+"""``swarmnode status``: the run's live nodes as their signed node cards show them.
+
+Default mode joins the DHT as a short-lived client (no key file needed, nothing stored), reads
+``<run>/nodes`` and prints one line per node, or a JSON array with ``--json``. ``--local``
+asks this host's ops port instead and imports neither torch nor hivemind, which makes it a
+cheap container healthcheck (``--ready``: exit 0 only when READY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class StatusError(Exception):
+    exit_code = 4
+
+
+def _local(args: argparse.Namespace) -> int:
+    port = args.metrics_port
+    if port is None:
+        from node.config import load_config
+        port = load_config(args.config).ops.port
+    url = f"http://127.0.0.1:{port}/readyz"
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read() or b"{}")
+    except (urllib.error.URLError, OSError) as exc:
+        print(json.dumps({"ready": False, "reason": "unreachable",
+                          "detail": f"no node answers on {url} ({exc}); is it running with ops.port={port}?"}))
+        return 1
+    print(json.dumps(body))
+    if args.ready:
+        return 0 if body.get("ready") else 1
+    return 0
+
+
+def card_rows(views: list, now: float | None = None) -> list[dict[str, Any]]:
+    now = time.time() if now is None else now
+    rows = []
+    for v in views:
+        c = v.card
+        rows.append({"peer_id": v.peer_id, "role": c.role, "state": c.state, "version": c.version,
+                     "address": c.grpc_addr, "age_s": round(max(0.0, now - c.published_at), 1),
+                     "uptime_s": round(max(0.0, now - c.started_at), 1), **{k: v2 for k, v2 in c.details.items()}})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no live nodes in this run (wrong --run-id? cards expire 30 s after a node stops)"
+    cols = ["peer_id", "role", "state", "round", "address", "age_s"]
+    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s"})
+    cols += extra
+    table = [[str(r.get(c, "")) if c != "peer_id" else str(r[c])[:16] + "…" for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(t, widths)) for t in table]
+    return "\n".join(lines)
+
+
+class SwarmReader:
+    """A client-mode DHT that reads the run's cards; use as a context manager."""
+
+    def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 15.0):
+        self.initial_peers, self.run_id, self.timeout = initial_peers, run_id, timeout
+        self.dht = None
+
+    def __enter__(self) -> "SwarmReader":
+        import hivemind
+
+        from node.card import CARD_NAMESPACE
+        from security.records import SignedRecordValidator
+
+        validator = SignedRecordValidator(self.run_id, None, [CARD_NAMESPACE])
+        try:
+            self.dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
+                                    host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[validator],
+                                    startup_timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - hivemind raises several types here
+            raise StatusError(f"could not join the swarm through {self.initial_peers}: "
+                              f"{str(exc).strip()[:300]}. Check the multiaddr (as printed by `swarmnode bootstrap` "
+                              "or /peerinfo) and that the bootstrap is up") from None
+        return self
+
+    def read(self) -> list:
+        from node.card import read_cards
+        return asyncio.run(read_cards(self.dht, self.run_id, timeout=self.timeout))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.local:
+        return _local(args)
+    from node.config import ConfigError, check_peer_maddr, load_config
+
+    cfg = load_config(args.config) if args.config else None
+    peers = args.initial_peers or (cfg.dht.initial_peers if cfg else [])
+    if not peers:
+        raise ConfigError("swarmnode status needs --initial-peers MADDR (or a --config with dht.initial_peers)")
+    try:
+        peers = [check_peer_maddr(p) for p in peers]
+    except ValueError as exc:
+        raise ConfigError(f"--initial-peers: {exc}") from None
+    run_id = args.run_id or (cfg.run_id if cfg else "swarmnode")
+    with SwarmReader(peers, run_id) as reader:
+        while True:
+            rows = card_rows(reader.read())
+            if args.json:
+                print(json.dumps(rows), flush=True)
+            else:
+                print(format_table(rows), flush=True)
+            if not args.watch:
+                return 0
+            try:
+                time.sleep(2.0)
+            except KeyboardInterrupt:
+                return 0
+            if not args.json:
+                print(file=sys.stdout)

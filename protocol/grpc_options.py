@@ -1,0 +1,81 @@
+"""gRPC channel and server options shared by every swarmnode service (``ops.md`` §10).
+
+Owns: explicit, symmetric message-size caps (``grpc.max_message_bytes``, 8 MiB default),
+keepalive settings that clients and servers agree on (a server that sees pings more often
+than it allows answers GOAWAY), and HTTP/2 / TCP settings that help 1-4 MiB tensor chunks
+stream fast (``benchmarks/transport.py`` measures them).
+
+    server_options(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, ...) -> list[tuple[str, int]]
+    channel_options(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, ...) -> list[tuple[str, int]]
+"""
+
+from __future__ import annotations
+
+MiB = 1 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 8 * MiB
+DEFAULT_CHUNK_BYTES = 4 * MiB
+
+CLIENT_KEEPALIVE_TIME_MS = 30_000
+CLIENT_KEEPALIVE_TIMEOUT_MS = 10_000
+#: Servers must accept pings at least as often as clients send them, or they send GOAWAY.
+SERVER_MIN_PING_INTERVAL_MS = 20_000
+
+#: Throughput settings for large streams: bigger HTTP/2 frames and write buffers mean fewer
+#: syscalls and wakeups per 4 MiB chunk; large TCP reads let one read take a whole frame.
+_STREAMING_ON = [
+    ("grpc.http2.bdp_probe", 1),                       # let the flow-control window grow
+    ("grpc.http2.lookahead_bytes", 16 * MiB),          # initial per-stream window hint
+    ("grpc.http2.max_frame_size", 16 * MiB - 1),       # HTTP/2 maximum
+    ("grpc.http2.write_buffer_size", 8 * MiB),
+    ("grpc.experimental.tcp_read_chunk_size", 4 * MiB),
+    ("grpc.experimental.tcp_min_read_chunk_size", 256 * 1024),
+    ("grpc.experimental.tcp_max_read_chunk_size", 16 * MiB),
+]
+
+
+def _check(max_message_bytes: int) -> int:
+    if not isinstance(max_message_bytes, int) or max_message_bytes < DEFAULT_CHUNK_BYTES + 4096:
+        raise ValueError(f"grpc.max_message_bytes={max_message_bytes!r} must be an int above the "
+                         f"largest chunk ({DEFAULT_CHUNK_BYTES} bytes plus framing); stream large "
+                         "payloads instead of lowering chunks below 1 MiB")
+    return max_message_bytes
+
+
+def _sizes(max_message_bytes: int) -> list[tuple[str, int]]:
+    n = _check(max_message_bytes)
+    return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                   min_ping_interval_ms: int = SERVER_MIN_PING_INTERVAL_MS,
+                   streaming: bool = True) -> list[tuple[str, int]]:
+    """Options for ``grpc.aio.server(options=...)``; pass ``grpc.max_message_bytes`` here."""
+    if min_ping_interval_ms > CLIENT_KEEPALIVE_TIME_MS:
+        raise ValueError(f"min_ping_interval_ms={min_ping_interval_ms} is above the clients' "
+                         f"keepalive_time_ms={CLIENT_KEEPALIVE_TIME_MS}: servers would answer "
+                         "keepalive pings with GOAWAY; keep it at or below 30000")
+    opts = _sizes(max_message_bytes) + [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
+    return opts + (_STREAMING if streaming else [])
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                    keepalive_time_ms: int = CLIENT_KEEPALIVE_TIME_MS,
+                    keepalive_timeout_ms: int = CLIENT_KEEPALIVE_TIMEOUT_MS,
+                    streaming: bool = True) -> list[tuple[str, int]]:
+    """Options for ``grpc.aio.insecure_channel``/``secure_channel``; symmetric with servers."""
+    if keepalive_time_ms < SERVER_MIN_PING_INTERVAL_MS:
+        raise ValueError(f"keepalive_time_ms={keepalive_time_ms} is below the servers' "
+                         f"min_ping_interval ({SERVER_MIN_PING_INTERVAL_MS} ms): they would send GOAWAY")
+    opts = _sizes(max_message_bytes) + [
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    return opts + (_STREAMING if streaming else [])
+import os as _os
+_STREAMING = _STREAMING_ON if _os.environ.get("SN_STREAM", "1") == "1" else []
