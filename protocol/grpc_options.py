@@ -22,7 +22,7 @@ SERVER_MIN_PING_INTERVAL_MS = 20_000
 
 #: Throughput settings for large streams: bigger HTTP/2 frames and write buffers mean fewer
 #: syscalls and wakeups per 4 MiB chunk; large TCP reads let one read take a whole frame.
-_STREAMING_ON = [
+_STREAMING = [
     ("grpc.http2.bdp_probe", 1),                       # let the flow-control window grow
     ("grpc.http2.lookahead_bytes", 16 * MiB),          # initial per-stream window hint
     ("grpc.http2.max_frame_size", 16 * MiB - 1),       # HTTP/2 maximum
@@ -77,5 +77,3 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ("grpc.http2.max_pings_without_data", 0),
     ]
     return opts + (_STREAMING if streaming else [])
-import os as _os
-_STREAMING = _STREAMING_ON if _os.environ.get("SN_STREAM", "1") == "1" else []
