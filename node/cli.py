@@ -34,6 +34,7 @@ def _node_flags(p: argparse.ArgumentParser, with_role: bool) -> None:
     p.add_argument("--run-id", help="run name (run_id)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, e.g. --set drain.budget_s=15 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in state_dir")
     p.add_argument("--check", action="store_true", help="print the validated effective config and exit")
 
 
@@ -57,6 +58,8 @@ def _overrides(args: argparse.Namespace, role: str | None) -> dict[str, Any]:
         o.setdefault("identity", {})["path"] = args.identity
     if args.run_id is not None:
         o["run_id"] = args.run_id
+    if args.resume:
+        o["resume"] = True
     return deep_merge(o, parse_set(args.set))
 
 

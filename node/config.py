@@ -160,6 +160,14 @@ class NodeConfig(BaseSettings):
     """IP peers should use for this node's gRPC address (node card). Defaults to ``host``, or
     127.0.0.1 when ``host`` is 0.0.0.0."""
 
+    state_dir: str = "~/.local/share/swarmnode/state"
+    """Folder where the role keeps checkpoints (one node per folder). Put it on a volume to
+    survive restarts; with ``resume`` the role continues from its latest checkpoint."""
+
+    resume: bool = False
+    """Resume from the latest checkpoint in ``state_dir`` (``--resume``). Without it a node starts
+    fresh or, if the run already has peers, downloads their current state."""
+
     identity: IdentityConfig = Field(default_factory=IdentityConfig)
     dht: DhtConfig = Field(default_factory=DhtConfig)
     grpc: GrpcConfig = Field(default_factory=GrpcConfig)
@@ -302,7 +310,13 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: dict[st
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
     except ValueError as exc:  # e.g. env value that is not JSON for a list field
-        raise ConfigError(f"invalid config: {exc}") from None
+        hint = ""
+        m = re.search(r'field "(\w+)" from source "EnvSettingsSource"', str(exc))
+        if m:  # name the variable(s): pydantic-settings only names the top-level field
+            names = sorted(k for k in environ if k.upper().startswith(f"{ENV_PREFIX}{m.group(1).upper()}"))
+            hint = (f" ({', '.join(names)}); list and table values in SWARMNODE_* variables must be JSON, "
+                    f"e.g. SWARMNODE_DHT__INITIAL_PEERS='[\"/ip4/…/p2p/12D3KooW…\"]'")
+        raise ConfigError(f"invalid config: {exc}{hint}") from None
     finally:
         NodeConfig._toml_file = None
         for k in [k for k in os.environ if k.upper().startswith(ENV_PREFIX)]:

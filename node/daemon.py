@@ -148,10 +148,11 @@ class Node:
         self.grpc_addr = f"{cfg.grpc_host}:{port}"
         self.card = CardPublisher(self.membership, cfg.card, cfg.run_id, self.peer_id, cfg.role, VERSION,
                                   self.grpc_addr, self.started_at)
-        self.netem = LinkEmulator(cfg.netem)
+        self.netem = LinkEmulator(cfg.netem, self_id=self.grpc_addr)
         ctx = NodeContext(config=cfg, peer_id=self.peer_id, lifecycle=self.lifecycle, membership=self.membership,
                           card=self.card, server=self.grpc.server, grpc_addr=self.grpc_addr,
-                          supervisor=self.supervisor, netem=self.netem, set_role_ready=self.set_role_ready)
+                          supervisor=self.supervisor, netem=self.netem, set_role_ready=self.set_role_ready,
+                          request_drain=self.request_drain)
         self.role = self.role_cls(ctx, self.role_cfg)
         self.grpc.add(node_pb2_grpc.add_NodeServicer_to_server, NodeServicer(self.info, self.peerinfo),
                       "swarmnode.Node")
@@ -203,9 +204,7 @@ class Node:
         self._stop.set()
 
     async def _on_preemption(self, source: str) -> None:
-        log.warning("spot preemption notice from %s: draining", source, extra={"event": "preemption_notice",
-                                                                                "source": source})
-        self.request_drain(source)
+        self.request_drain(source)  # the watcher has logged the notice (preemption_notice)
 
     def _fatal(self, task: str) -> None:
         self._exit_code = EXIT_ERROR

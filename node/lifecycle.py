@@ -64,10 +64,10 @@ class Lifecycle:
 
     async def move(self, new: State, reason: str, detail: str = "") -> None:
         with self._lock:
+            if (new, reason, detail) == (self.state, self.reason, self.detail):
+                return  # no change (e.g. READY -> READY on a repeated readiness refresh): not an error
             if new not in ALLOWED[self.state]:
                 raise LifecycleError(f"{self.state} -> {new} is not a legal transition")
-            if (new, reason, detail) == (self.state, self.reason, self.detail):
-                return
             old = self.state
             self.state, self.reason, self.detail = new, reason, detail
             if new is not old:

@@ -115,28 +115,33 @@ class LocalSwarm:
             self._tmp.cleanup()
 
     def _identity(self, name: str) -> tuple[Path, str]:
-        from security.keys import generate_key, peer_id_str, write_key_file
+        from security.keys import generate_key, load_key_file, peer_id_str, write_key_file
 
         path = self.workdir / f"{name}.key"
+        if path.exists():  # a restarted node keeps its peer ID
+            return path, peer_id_str(load_key_file(path))
         key = generate_key()
         write_key_file(path, key)
         return path, peer_id_str(key.public_key())
 
     def start(self, role: str, name: str | None = None, extra_set: list[str] | None = None,
-              initial_peers: list[str] | None = None) -> NodeProc:
+              initial_peers: list[str] | None = None, resume: bool = False) -> NodeProc:
         name = name or f"{role}-{len(self.nodes)}"
         identity, peer_id = self._identity(name)
         dht_port, grpc_port, ops_port = free_port(), free_port(), free_port()
         cmd = [sys.executable, "-m", "node.cli", "run", "--role", role, "--host", "127.0.0.1",
                "--dht-port", str(dht_port), "--grpc-port", str(grpc_port), "--metrics-port", str(ops_port),
-               "--identity", str(identity), "--run-id", self.run_id]
+               "--identity", str(identity), "--run-id", self.run_id,
+               "--set", f"state_dir={self.workdir / name}"]
         peers = initial_peers if initial_peers is not None else ([self.bootstrap_maddr] if self.bootstrap_maddr else [])
         if peers:
             cmd += ["--initial-peers", *peers]
+        if resume:
+            cmd.append("--resume")
         for item in [*self.common_set, *(extra_set or [])]:
             cmd += ["--set", item]
         log_path = self.workdir / f"{name}.log"
-        with open(log_path, "wb") as logf:
+        with open(log_path, "ab") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
                                     start_new_session=True)
         node = NodeProc(name=name, role=role, proc=proc, ops_port=ops_port, grpc_port=grpc_port, dht_port=dht_port,

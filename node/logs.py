@@ -133,7 +133,8 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         ctx, extras = _fields(record)
-        line = f"{_ts(record)} {_LEVELS.get(record.levelno, record.levelname).upper():<7} {record.name}: {_message(record)}"
+        level = _LEVELS.get(record.levelno, record.levelname).upper()
+        line = f"{_ts(record)} {level:<7} {record.name}: {_message(record)}"
         event = getattr(record, "event", None)
         if event and event != record.msg:
             line += f" [{event}]"

@@ -41,6 +41,8 @@ class NodeContext:
     set_role_ready: Callable[[bool, str, str], Awaitable[None]]
     """``await set_role_ready(ready, reason, detail)``: the role's half of readiness
     (reason codes from ``node.lifecycle.READINESS_REASONS``, e.g. ``role_init``, ``state_sync``)."""
+    request_drain: Callable[[str], None] = lambda trigger: None
+    """Ask the node to drain and exit 0 (e.g. a worker that finished its configured steps)."""
     extras: dict[str, Any] = field(default_factory=dict)
 
 

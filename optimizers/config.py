@@ -1,0 +1,244 @@
+"""`[noloco]` configuration: the NoLoCo / DiLoCo method, pairing and inner-optimizer knobs.
+
+Owns the schema, the defaults (noloco.md §2.6: the *demo* column where the spec gives one, else
+the NoLoCo column), the start-up validators (§3.8) and `cfg_hash`, the digest of the fields that
+must be identical between peers that average together. Does not own the role's runtime state
+(round counter, roster) or the transport; `optimizers/noloco_role.py` reads this config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["InnerConfig", "NoLoCoConfig", "HASHED_FIELDS"]
+
+# Fields whose values must agree between peers that average together (noloco.md §3.3, §3.6).
+HASHED_FIELDS: tuple[str, ...] = (
+    "outer", "diloco_momentum", "inner_steps", "outer_lr", "outer_momentum", "consensus",
+    "group_size", "seed",
+)
+_HASH_VERSION = "noloco-cfg-v1"
+
+
+class InnerConfig(BaseModel):
+    """Inner (local) optimizer: Adam with linear warm-up, then cosine decay to `min_lr_ratio`."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    lr: float = Field(6e-4, gt=0)
+    """Peak inner learning rate. The official values are 6e-4 ("125M"), 2e-4 ("1.3B") and
+    1.2e-4 ("6.8B"). Lower it if `swarmnode_train_loss` spikes right after warm-up; tiny CPU demo
+    models tolerate ~1e-3 to 3e-3."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas. The DiLoCo-Nesterov recipe uses (0.9, 0.95); keep (0.9, 0.999) for NoLoCo."""
+
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon. Raise (e.g. 1e-6) only if bf16 training shows NaNs in the inner step."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW when > 0). NoLoCo and heavy-ball DiLoCo use 0; the
+    DiLoCo-Nesterov recipe uses 0.1."""
+
+    clip_norm: float | None = Field(1.0, gt=0)
+    """Global gradient-norm clip applied before every inner step; None disables it. Only change
+    it together with the learning rate."""
+
+    warmup: int = Field(50, ge=0)
+    """Inner steps of linear LR warm-up (official 1000; demo 50). Raise it if the loss diverges
+    in the first few hundred steps."""
+
+    total_steps: int = Field(2000, ge=1)
+    """Inner step at which the cosine reaches `min_lr_ratio * lr` (official 25,000; demo 2000).
+    Set it to the planned run length; after it the LR stays at the floor."""
+
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final LR as a fraction of `lr` (0.1 for NoLoCo/heavy-ball DiLoCo, 0 for DiLoCo-Nesterov)."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"inner.betas={v} must both lie in [0, 1); the default is (0.9, 0.999)")
+        return v
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "InnerConfig":
+        if self.warmup > self.total_steps:
+            raise ValueError(
+                f"inner.warmup={self.warmup} exceeds inner.total_steps={self.total_steps}; "
+                "lower warmup or raise total_steps to the planned run length")
+        return self
+
+
+class NoLoCoConfig(BaseModel):
+    """The `[noloco]` section: outer method, pairing, bookkeeping and the inner optimizer."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    # ---- method -----------------------------------------------------------------------------
+    outer: Literal["noloco", "diloco"] = "noloco"
+    """Outer optimizer. `noloco` averages with a small random group and adds a consensus pull;
+    `diloco` averages over every live worker (the baseline). Peers with different values never
+    match (part of `cfg_hash`)."""
+
+    diloco_momentum: Literal["heavyball", "nesterov"] = "heavyball"
+    """DiLoCo momentum form (only used with outer = diloco). `heavyball` is the NoLoCo repo's
+    baseline and what NoLoCo reduces to; `nesterov` is the DiLoCo paper / OpenDiLoCo update
+    (torch SGD nesterov=True; use outer_momentum 0.9 with it)."""
+
+    inner_steps: int = Field(20, ge=1)
+    """H: inner steps between outer steps (demo 20; NoLoCo 50, heavy-ball DiLoCo 100,
+    Nesterov DiLoCo 500). Raise it when `swarmnode_outer_blocked_seconds` is a large share of
+    the round; lower it if replicas drift (`swarmnode_replica_spread` grows)."""
+
+    outer_lr: float = Field(0.7, gt=0)
+    """beta (NoLoCo) / eta (DiLoCo): outer learning rate on the mean pseudo-gradient. With
+    consensus = "tied" it is also gamma. 0.7 in every reference recipe."""
+
+    outer_momentum: float = Field(0.5, ge=0, lt=1)
+    """alpha (NoLoCo) / mu (DiLoCo): outer momentum. NoLoCo 0.5, heavy-ball DiLoCo 0.3,
+    Nesterov DiLoCo 0.9. Lower it if the outer update norm oscillates between rounds."""
+
+    consensus: Literal["tied"] | float = "tied"
+    """gamma, the pull of this worker's phi toward its group's mean phi. "tied" (default, as in
+    the official code) means gamma = outer_lr and only theta is exchanged; a float in [0, 2)
+    (ablations, e.g. 0.0) doubles the traffic because phi must be exchanged too. NoLoCo only."""
+
+    group_size: int | Literal["all"] = 2
+    """k: target group size for NoLoCo (pairs in every paper experiment). "all" makes NoLoCo a
+    DiLoCo-like global average. Ignored by DiLoCo, whose group is always every live worker
+    (leave it unset or "all" there)."""
+
+    # ---- pairing ----------------------------------------------------------------------------
+    pairing: Literal["seeded", "matchmaking"] = "seeded"
+    """How groups form. `seeded` (default): the official permutation over a roster agreed
+    through the DHT, exchange over our own gRPC (fast for pairs, paper-exact, deterministic).
+    `matchmaking`: hivemind DecentralizedAverager groups (more churn-tolerant, but pairs tend to
+    repeat; watch `swarmnode_outer_partner_repeat_ratio`)."""
+
+    matchmaking_time: float = Field(5.0, gt=0)
+    """Seconds hivemind waits to assemble a group (matchmaking mode), and the roster settle time
+    in seeded mode. Raise it if many rounds end solo with "could not find a group"."""
+
+    round_timeout: float = Field(10.0, gt=0)
+    """Seconds a worker waits for its partner(s) before taking the solo step. Raise it on slow
+    links if `swarmnode_outer_solo_rounds_total{reason="timeout"}` rises while peers are alive."""
+
+    jitter_s: float = Field(2.5, ge=0)
+    """Uniform random delay (0..jitter_s) added to each matchmaking start so that arrival order,
+    and with it the pairs, changes between rounds. About matchmaking_time / 2. Raise it if the
+    partner repeat ratio stays above 0.5."""
+
+    group_bits: int | None = Field(None, ge=0, le=16)
+    """Moshpit bucket bits for matchmaking (2^bits ~ W / k). None = derive from the live worker
+    count. Only used with pairing = matchmaking."""
+
+    max_round_skew: int = Field(2, ge=0)
+    """A partner whose round differs from ours by more than this is ignored (solo step). Raise
+    only if slow workers are frequently dropped for being a round or two behind."""
+
+    max_solo_rounds: int = Field(3, ge=1)
+    """After this many solo rounds in a row, re-draw the matchmaking bucket bits."""
+
+    # ---- other ------------------------------------------------------------------------------
+    seed: int = Field(0, ge=0)
+    """Run seed: model init, data order and the seeded pairing permutation. Must match across
+    peers (part of `cfg_hash`)."""
+
+    checkpoint_every: int = Field(10, ge=0)
+    """Outer rounds between atomic checkpoints; 0 disables periodic checkpoints (a checkpoint is
+    still written on drain). Lower it on preemptible machines."""
+
+    eval_every: int = Field(5, ge=0)
+    """Outer rounds between validation evaluations; 0 disables them."""
+
+    eval_batches: int = Field(8, ge=1)
+    """Validation batches per evaluation. Raise it if `swarmnode_eval_loss` is too noisy."""
+
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    """Inner optimizer (Adam) and its LR schedule."""
+
+    # ---- validators -------------------------------------------------------------------------
+    @field_validator("consensus", mode="before")
+    @classmethod
+    def _consensus_value(cls, v: object) -> object:
+        if isinstance(v, str) and v != "tied":
+            try:
+                return float(v)
+            except ValueError:
+                raise ValueError(
+                    f"consensus={v!r}: use \"tied\" (gamma = outer_lr, the official code) or a "
+                    "number such as 0.7") from None
+        return v
+
+    @field_validator("consensus")
+    @classmethod
+    def _consensus_range(cls, v: object) -> object:
+        if isinstance(v, float) and not 0.0 <= v < 2.0:
+            raise ValueError(
+                f"consensus={v} is outside [0, 2): a pair's phi gap is scaled by (1 - gamma) per "
+                "round, so gamma >= 2 diverges and gamma < 0 pushes replicas apart; use \"tied\" "
+                "or a value in [0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _method_consistency(self) -> "NoLoCoConfig":
+        if self.outer == "noloco":
+            if self.group_size == 1:
+                raise ValueError(
+                    "group_size=1 with outer='noloco' never averages (every round would be a "
+                    "solo step); use group_size=2 (the paper's pairs), or outer='diloco' for a "
+                    "global average")
+            if isinstance(self.group_size, int) and self.group_size < 1:
+                raise ValueError(f"group_size={self.group_size} must be >= 2 (or \"all\")")
+            if self.consensus == "tied" and self.outer_lr >= 2.0:
+                raise ValueError(
+                    f"outer_lr={self.outer_lr} with consensus='tied' means gamma={self.outer_lr} "
+                    ">= 2, which makes the consensus term diverge; lower outer_lr (0.7 is "
+                    "standard) or set consensus to a float in [0, 1]")
+        else:  # diloco
+            if self.consensus != "tied":
+                raise ValueError(
+                    f"consensus={self.consensus} is set but outer='diloco' has no consensus term "
+                    "(phi is identical everywhere); remove consensus or use outer='noloco'")
+            if "group_size" in self.model_fields_set and self.group_size != "all":
+                raise ValueError(
+                    f"group_size={self.group_size} with outer='diloco': DiLoCo always averages "
+                    "over every live worker; remove group_size or set it to \"all\" (use "
+                    "outer='noloco' for small groups)")
+        if self.pairing == "matchmaking" and self.round_timeout <= self.matchmaking_time + self.jitter_s:
+            raise ValueError(
+                f"round_timeout={self.round_timeout} must exceed matchmaking_time + jitter_s = "
+                f"{self.matchmaking_time + self.jitter_s}, or every round times out before the "
+                "group forms; raise round_timeout or lower matchmaking_time/jitter_s")
+        if self.pairing == "seeded" and self.round_timeout <= self.matchmaking_time:
+            raise ValueError(
+                f"round_timeout={self.round_timeout} must exceed matchmaking_time="
+                f"{self.matchmaking_time} (the roster settle time); raise round_timeout")
+        return self
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def gamma(self) -> float:
+        """The consensus coefficient actually used (outer_lr when tied)."""
+        return self.outer_lr if self.consensus == "tied" else float(self.consensus)
+
+    @property
+    def exchanges_phi(self) -> bool:
+        """True when phi must be averaged as well as theta (untied NoLoCo)."""
+        return self.outer == "noloco" and self.consensus != "tied"
+
+    def cfg_hash(self) -> str:
+        """Short stable hex digest (12 chars) of the fields peers must share (`HASHED_FIELDS`).
+
+        Used in the averager prefix and node card; it contains no '.' (hivemind asserts that).
+        Floats are hashed by their shortest round-trip repr, so 0.7 from TOML, env or Python all
+        give the same digest."""
+        payload = {name: getattr(self, name) for name in HASHED_FIELDS}
+        blob = json.dumps([_HASH_VERSION, payload], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]

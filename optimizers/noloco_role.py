@@ -1,0 +1,393 @@
+"""The ``noloco`` role: a data-parallel worker trained with NoLoCo (or the DiLoCo baseline).
+
+    swarmnode run --role noloco --initial-peers /ip4/…/p2p/12D3KooW… [--set noloco.inner_steps=50]
+
+Glue only: the method is ``optimizers/noloco.py`` / ``diloco.py`` (pure torch), the transport
+``optimizers/exchange.py`` (pairing through the DHT roster, exchange over our gRPC), the
+joiner's state download ``optimizers/state_sync.py``, the model and data ``models/``.
+
+Loop per round r: H inner Adam steps in a worker thread (the event loop stays free to serve
+peers) -> exchange theta with a random live partner (NoLoCo) or everyone (DiLoCo) within
+``round_timeout`` -> outer step (solo when no valid partner: never a hang) -> theta <- phi ->
+card/metrics -> evaluation and an atomic checkpoint when due. A joiner downloads phi and the
+round from a random READY peer and starts at that round with fresh Adam state and m = 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from models.config import DataConfig, ModelConfig
+from models.corpus import batches, eval_batches, evaluate, load_corpus
+from models.hf_adapter import build_from_config
+from models.llama import lm_loss
+from node.card import read_cards
+from node.config import ConfigError, format_validation_error
+from node.roles import NodeContext, register
+from optimizers import checkpoint, noloco_metrics as M
+from optimizers.config import NoLoCoConfig
+from optimizers.diloco import DiLoCoOuter
+from optimizers.exchange import OuterExchange
+from optimizers.noloco import NoLoCoOuter, all_finite, copy_into
+from optimizers.roster import ROSTER_NAMESPACE
+from optimizers.schedule import inner_lr_scheduler
+from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
+from protocol import noloco_pb2_grpc, weights_pb2_grpc
+
+log = logging.getLogger("swarmnode.noloco")
+
+
+class WorkerConfig(NoLoCoConfig):
+    """``[noloco]``: the method knobs (optimizers/config.py) plus how this worker runs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    exit_after_steps: int = Field(0, ge=0)
+    """Drain and exit 0 after this many inner steps (0 = train until stopped). The demo uses it."""
+
+    data_shards: int = Field(16, ge=1)
+    """The training stream is cut into this many IID shards; a worker picks one from its peer ID.
+    Raise it above the worker count so that workers rarely share a shard."""
+
+    torch_threads: int = Field(0, ge=0)
+    """Intra-op threads for this worker's torch compute (0 = torch's default). Set 1 when several
+    workers share one machine (the demo does)."""
+
+    compute_delay_s: float = Field(0.0, ge=0)
+    """Extra seconds slept per inner step, to emulate a slower accelerator in experiments."""
+
+    join_from_peers: bool = True
+    """A new worker in a run that already has trained rounds downloads a peer's state first."""
+
+
+class RoleSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    noloco: WorkerConfig
+    model: ModelConfig
+    data: DataConfig
+
+
+def _param_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters()]
+
+
+@register
+class NoLoCoRole:
+    name = "noloco"
+
+    @classmethod
+    def validate_config(cls, config: Any) -> RoleSettings:
+        try:
+            return RoleSettings(noloco=config.noloco, model=config.model, data=config.data)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc)) from None
+
+    @classmethod
+    def namespaces(cls, config: Any) -> list:
+        return [ROSTER_NAMESPACE]
+
+    def __init__(self, ctx: NodeContext, settings: RoleSettings):
+        self.ctx, self.s, self.cfg = ctx, settings, settings.noloco
+        self.cfg_hash = hashlib.sha256(
+            f"{self.cfg.cfg_hash()}|{settings.model.model_dump_json()}".encode()).hexdigest()[:12]
+        if self.cfg.torch_threads:
+            torch.set_num_threads(self.cfg.torch_threads)
+        self.model = build_from_config(settings.model, seed=self.cfg.seed)
+        self.names = _param_names(self.model)
+        self.params = [p for _, p in self.model.named_parameters()]
+        self.specs = [(n, torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)]
+        outer_cls = NoLoCoOuter if self.cfg.outer == "noloco" else DiLoCoOuter
+        self.outer = outer_cls.from_config([p.detach() for p in self.params], self.cfg)
+        ex_names = list(self.names) + ([f"phi.{n}" for n in self.names] if self.cfg.exchanges_phi else [])
+        ex_specs = [(n, torch.float32, tuple(p.shape)) for n, p in
+                    zip(ex_names, self.params * (2 if self.cfg.exchanges_phi else 1))]
+        self.exchange = OuterExchange(
+            run_id=ctx.config.run_id, peer_id=ctx.peer_id, cfg_hash=self.cfg_hash, grpc_addr=ctx.grpc_addr,
+            dht=ctx.membership.dht, specs=ex_specs, netem=ctx.netem, max_round_skew=self.cfg.max_round_skew,
+            max_message_bytes=ctx.config.grpc.max_message_bytes,
+            on_reject=lambda reason: M.SOLO_ROUNDS.labels(reason=f"rejected_{reason}").inc(0))
+        self.round = 0
+        self.step = 0
+        self._snapshot: Snapshot | None = None
+        self._stopping = False
+        self._round_task: asyncio.Task | None = None
+        self._partners: deque[tuple[str, ...]] = deque(maxlen=21)
+        self._compute = threading.Lock()  # held by the compute thread while it touches the model
+        self._round_start_step = 0  # inner step at the last outer step; theta == phi there
+        self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
+
+    def services(self):
+        return [(noloco_pb2_grpc.add_NoLoCoServicer_to_server, self.exchange.servicer(), "swarmnode.NoLoCo"),
+                (weights_pb2_grpc.add_WeightServiceServicer_to_server, self.state_servicer, "swarmnode.WeightService")]
+
+    # ---------------- start-up ----------------
+    async def start(self) -> None:
+        await self.ctx.set_role_ready(False, "role_init", "loading data and building the model")
+        self.ctx.supervisor.spawn("noloco_train", self._main, restart=False)
+
+    def _setup_data(self) -> None:
+        data = self.s.data
+        corpus = load_corpus(data)
+        shard = int(hashlib.sha256(self.ctx.peer_id.encode()).hexdigest(), 16) % self.cfg.data_shards
+        self.shard = shard
+        self.train_iter = None
+        self._corpus = corpus
+        self.eval_set = eval_batches(corpus.val, data.batch_size, data.seq_len, self.cfg.eval_batches)
+        log.info("data ready: %s, %d train / %d val tokens, shard %d of %d", corpus.source, corpus.train.numel(),
+                 corpus.val.numel(), shard, self.cfg.data_shards,
+                 extra={"event": "data_ready", "train_tokens": int(corpus.train.numel()), "shard": shard})
+
+    def _make_optimizer(self, start_step: int) -> None:
+        inner = self.cfg.inner
+        self.opt = torch.optim.Adam(self.params, lr=inner.lr, betas=tuple(inner.betas), eps=inner.eps,
+                                    weight_decay=inner.weight_decay)
+        self.sched = inner_lr_scheduler(self.opt, inner, start_step=start_step)
+        self.train_iter = batches(self._corpus.train, self.s.data.batch_size, self.s.data.seq_len, self.cfg.seed,
+                                  shard=self.shard, num_shards=self.cfg.data_shards, start_step=start_step)
+
+    async def _main(self) -> None:
+        await asyncio.to_thread(self._setup_data)
+        resumed = False
+        if self.ctx.config.resume:
+            resumed = await asyncio.to_thread(self._try_resume)
+        if not resumed:
+            self._make_optimizer(0)
+            if self.cfg.join_from_peers:
+                await self._try_join()
+        self._take_snapshot()
+        eval0 = await asyncio.to_thread(evaluate, self.model, self.eval_set)
+        M.EVAL_LOSS_INITIAL.set(eval0)
+        M.EVAL_LOSS.set(eval0)
+        M.OUTER_ROUND.set(self.round)
+        self.ctx.card.update(round=self.round, outer=self.cfg.outer, cfg_hash=self.cfg_hash)
+        await self.ctx.set_role_ready(True, "ready", "")
+        log.info("training from round %d step %d (eval loss %.4f)", self.round, self.step, eval0,
+                 extra={"event": "training_started", "round": self.round, "step": self.step, "eval_loss": eval0})
+        while not self._stopping:
+            self._round_task = asyncio.ensure_future(self._one_round())
+            try:
+                await asyncio.shield(self._round_task)
+            except asyncio.CancelledError:
+                if self._round_task is not None and not self._round_task.done():
+                    self._round_task.cancel()
+                raise
+            if self.cfg.exit_after_steps and self.step >= self.cfg.exit_after_steps:
+                log.info("reached %d inner steps: draining", self.step, extra={"event": "training_finished",
+                                                                               "step": self.step})
+                self._stopping = True
+                self.ctx.request_drain("finished")
+
+    # ---------------- joining / resuming ----------------
+    async def _try_join(self) -> None:
+        try:
+            views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
+        except Exception as exc:  # noqa: BLE001 - no view of the swarm: start from the seed
+            log.warning("could not read node cards to find a state donor: %r", exc)
+            return
+        donors = [v for v in views if v.card.role == "noloco" and v.card.state == "ready"
+                  and v.peer_id != self.ctx.peer_id and v.card.details.get("cfg_hash") == self.cfg_hash
+                  and int(v.card.details.get("round", 0)) > 0]
+        random.shuffle(donors)
+        expected = {n: (torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)}
+        for donor in donors[:3]:
+            await self.ctx.set_role_ready(False, "state_sync", f"downloading state from {donor.peer_id[:16]}…")
+            try:
+                rnd, tensors = await fetch_state(donor.card.grpc_addr, self.ctx.config.run_id, self.ctx.peer_id,
+                                                 self.cfg_hash, expected,
+                                                 max_message_bytes=self.ctx.config.grpc.max_message_bytes)
+            except StateFetchError as exc:
+                M.STATE_DOWNLOADS.labels(outcome="failed").inc()
+                log.warning("state download failed: %s", exc, extra={"event": "state_download_failed"})
+                continue
+            phi = [tensors[n] for n in self.names]
+            with torch.no_grad():
+                copy_into(self.params, phi)
+            self.outer = type(self.outer).from_config([p.detach() for p in self.params], self.cfg)
+            self.round = rnd
+            self.step = rnd * self.cfg.inner_steps
+            self._make_optimizer(self.step)
+            self._round_start_step = self.step
+            M.STATE_DOWNLOADS.labels(outcome="ok").inc()
+            log.info("joined at round %d with state from %s", rnd, donor.peer_id,
+                     extra={"event": "resume", "source": "peer", "round": rnd, "donor": donor.peer_id})
+            return
+
+    def _try_resume(self) -> bool:
+        try:
+            state = checkpoint.load(self.ctx.config.state_dir)
+        except checkpoint.CheckpointError as exc:
+            M.CHECKPOINTS.labels(outcome="corrupt").inc()
+            log.error("%s", exc, extra={"event": "checkpoint_corrupt"})
+            return False
+        if state is None:
+            log.info("no checkpoint in %s: starting fresh", self.ctx.config.state_dir)
+            return False
+        if state["cfg_hash"] != self.cfg_hash:
+            log.error("checkpoint was written with cfg_hash %s, this run has %s: not loaded",
+                      state["cfg_hash"], self.cfg_hash, extra={"event": "checkpoint_mismatch"})
+            return False
+        self.model.load_state_dict(state["model"])
+        self.outer.load_state_dict(state["outer"])
+        self.step, self.round = int(state["step"]), int(state["round"])
+        self._make_optimizer(self.step)
+        self.opt.load_state_dict(state["inner_optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self._round_start_step = self.step
+        M.CHECKPOINTS.labels(outcome="loaded").inc()
+        log.info("resumed from checkpoint at round %d step %d", self.round, self.step,
+                 extra={"event": "resume", "source": "checkpoint", "round": self.round, "step": self.step})
+        return True
+
+    def _save_checkpoint(self) -> None:
+        checkpoint.save(self.ctx.config.state_dir, {
+            "round": self.round, "step": self.step, "cfg_hash": self.cfg_hash,
+            "model": self.model.state_dict(), "outer": self.outer.state_dict(),
+            "inner_optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()})
+        M.CHECKPOINTS.labels(outcome="written").inc()
+
+    def _take_snapshot(self) -> None:
+        self._snapshot = Snapshot(self.round, list(self.names), [t.detach().to(torch.float32).clone()
+                                                                 for t in self.outer.phi])
+
+    # ---------------- training ----------------
+    def _inner_steps(self, n: int) -> float:
+        with self._compute:
+            return self._inner_steps_locked(n)
+
+    def _inner_steps_locked(self, n: int) -> float:
+        self.model.train()
+        loss_val = float("nan")
+        for _ in range(n):
+            if self._stopping:  # drain: stop after the current step, the round is abandoned
+                break
+            t0 = time.perf_counter()
+            x, y = next(self.train_iter)
+            loss = lm_loss(self.model(x), y)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.inner.clip_norm:
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.clip_norm)
+            self.opt.step()
+            self.sched.step()
+            if self.cfg.compute_delay_s:
+                time.sleep(self.cfg.compute_delay_s)
+            loss_val = float(loss.detach())
+            if self.step == 0:
+                M.TRAIN_LOSS_INITIAL.set(loss_val)
+            self.step += 1
+            M.TRAIN_STEPS.inc()
+            M.TRAIN_TOKENS.inc(x.numel())
+            M.TRAIN_LOSS.set(loss_val)
+            M.STEP_SECONDS.observe(time.perf_counter() - t0)
+            M.LAST_STEP.set(time.time())
+        return loss_val
+
+    def _outer_step(self, theta_bar, phi_bar, n: int) -> float:
+        with self._compute, torch.no_grad():
+            before = [p.clone() for p in self.outer.phi]
+            theta = [p.detach() for p in self.params]
+            phi = self.outer.outer_step(theta, theta_bar, phi_bar, n=n)
+            copy_into(self.params, phi)
+            return float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(phi, before))))
+
+    async def _one_round(self) -> None:
+        h = self.cfg.inner_steps
+        if self.cfg.exit_after_steps:
+            h = max(1, min(h, self.cfg.exit_after_steps - self.step))
+        loss = await asyncio.to_thread(self._inner_steps, h)
+        if self._stopping:
+            return
+        tensors = self.outer.exchange_tensors([p.detach() for p in self.params])
+        timeout = self.cfg.round_timeout
+        if self.cfg.outer == "diloco":
+            expected = await self._live_workers()
+            res = await self.exchange.group_average(self.round, tensors, timeout, expected=expected)
+        else:
+            res = await self.exchange.pair_average(self.round, tensors, timeout)
+        n, theta_bar, phi_bar, outcome, reason = res.n, None, None, res.outcome, res.reason
+        if res.mean is not None and n > 1 and all_finite(res.mean):
+            theta_bar, phi_bar = self.outer.split_means(res.mean)
+            spread = torch.sqrt(sum(((t.to(torch.float32) - tb) ** 2).sum() for t, tb in
+                                    zip(self.params, theta_bar)) / sum(p.numel() for p in self.params))
+            M.REPLICA_SPREAD.set(float(spread))
+        else:
+            if res.mean is not None and n > 1:
+                outcome, reason = "failed", "nonfinite"
+            n = 1
+        norm = await asyncio.to_thread(self._outer_step, theta_bar, phi_bar, n)
+        self.round += 1
+        self._round_start_step = self.step
+        self._take_snapshot()
+        M.OUTER_ROUNDS.labels(outcome=outcome if n > 1 else ("solo" if outcome == "ok" else outcome)).inc()
+        if n == 1:
+            M.SOLO_ROUNDS.labels(reason=reason or "no_partner").inc()
+        M.GROUP_SIZE.observe(n)
+        M.BLOCKED_SECONDS.observe(res.blocked_s)
+        M.SENT_BYTES.inc(res.sent_bytes)
+        M.RECEIVED_BYTES.inc(res.received_bytes)
+        M.UPDATE_NORM.set(norm)
+        M.OUTER_ROUND.set(self.round)
+        self._partners.append(tuple(sorted(res.partners)))
+        pairs = list(self._partners)
+        if len(pairs) > 1:
+            repeats = sum(a == b and a != () for a, b in zip(pairs, pairs[1:]))
+            M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
+        self.ctx.card.update(round=self.round)
+        log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
+                 f" ({reason})" if reason else "", loss, res.blocked_s,
+                 extra={"event": "averaging_round_done", "round": self.round, "group_size": n, "outcome": outcome,
+                        "reason": reason, "partners": list(res.partners), "train_loss": loss,
+                        "blocked_s": round(res.blocked_s, 3), "step": self.step})
+        if self.cfg.eval_every and self.round % self.cfg.eval_every == 0:
+            M.EVAL_LOSS.set(await asyncio.to_thread(evaluate, self.model, self.eval_set))
+        if self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
+            await asyncio.to_thread(self._save_checkpoint)
+
+    async def _live_workers(self) -> int:
+        try:
+            views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
+        except Exception:  # noqa: BLE001 - unknown: assume just us and whoever shows up
+            return 1
+        return max(1, sum(1 for v in views if v.card.role == "noloco" and v.card.state in ("ready", "joining")
+                          and v.card.details.get("cfg_hash") in (None, self.cfg_hash)))
+
+    # ---------------- drain ----------------
+    async def drain(self, budget_s: float) -> None:
+        """Finish the current round only if it ends within the budget, else leave it; then
+        checkpoint the state of the last completed outer step."""
+        self._stopping = True
+        task = self._round_task
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), max(0.0, budget_s - 2.0))
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - leaving mid-round is allowed
+                task.cancel()
+        await self.exchange.close()
+        if not (self.cfg.checkpoint_every and hasattr(self, "opt") and self.step > 0):
+            return
+        got = await asyncio.to_thread(self._compute.acquire, True, max(0.1, budget_s / 4))
+        if not got:
+            log.warning("compute thread still busy: no final checkpoint", extra={"event": "checkpoint_skipped"})
+            return
+        try:
+            if self.step != self._round_start_step:  # an abandoned round: back to the last outer step
+                with torch.no_grad():
+                    copy_into(self.params, self.outer.phi)
+                self.step = self._round_start_step
+            await asyncio.to_thread(self._save_checkpoint)
+            log.info("checkpoint written at round %d", self.round, extra={"event": "checkpoint_written",
+                                                                          "round": self.round})
+        except Exception as exc:  # noqa: BLE001 - a failed final checkpoint is reported, not fatal
+            log.warning("final checkpoint failed: %r", exc, extra={"event": "checkpoint_failed"})
+        finally:
+            self._compute.release()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install swarmnode and its test dependencies into ./.venv, then run the whole test suite
+# (unit + integration, including the multi-node tests marked `slow`).
+#   bash scripts/test.sh                 # everything
+#   bash scripts/test.sh -m "not slow"   # skip the multi-process tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+# torch 2.13.0 CPU: the pinned range in pyproject admits it, so nothing bigger is pulled in.
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m protocol.build
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

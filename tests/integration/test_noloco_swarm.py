@@ -1,0 +1,114 @@
+"""NoLoCo on a real swarm: a bootstrap and 4 workers as OS processes on 127.0.0.1 (N15, N12,
+N16, N11 at process level).
+
+At least 5 outer rounds with pairs; validation loss falls; node cards carry the round;
+SIGKILL of a worker mid-run leaves the others training (no round blocked past its timeout);
+a new worker joins mid-run from a peer's state and catches up; SIGTERM exits 0 within the
+budget and writes a checkpoint that ``--resume`` continues from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from node.localswarm import LocalSwarm, NodeProc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROUND_TIMEOUT = 6.0
+COMMON = [
+    "noloco.inner_steps=8", f"noloco.round_timeout={ROUND_TIMEOUT}", "noloco.matchmaking_time=1",
+    "noloco.eval_every=1", "noloco.eval_batches=4", "noloco.torch_threads=1", "noloco.checkpoint_every=2",
+    "noloco.inner.lr=0.003", "noloco.inner.warmup=10",
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=64",
+    "data.seq_len=64", "data.batch_size=8", "data.max_train_bytes=1000000", "data.max_val_bytes=100000",
+    "card.ttl_s=10", "card.refresh_s=2", "drain.budget_s=15",
+]
+
+
+def metric(node: NodeProc, name: str) -> float:
+    return sum(v for k, v in node.metrics().items() if k == name or k.startswith(name + "{"))
+
+
+def wait_for(pred, timeout: float, what: str, poll: float = 1.0):
+    t0 = time.monotonic()
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def rounds_of(node: NodeProc) -> float:
+    return metric(node, "swarmnode_outer_round")
+
+
+def events(node: NodeProc, event: str) -> list[dict]:
+    out = []
+    for line in node.log_text().splitlines():
+        if f'"event": "{event}"' in line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def test_noloco_swarm_trains_survives_kill_and_join(tmp_path):
+    with LocalSwarm(run_id="noloco-it", workdir=tmp_path, common_set=COMMON) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        swarm.wait_ready([boot], timeout=90)
+        workers = [swarm.start("noloco", name=f"w{i}") for i in range(4)]
+        swarm.wait_ready(workers, timeout=180)
+
+        # >= 5 outer rounds everywhere, with at least one real pair
+        wait_for(lambda: all(rounds_of(w) >= 5 for w in workers), 240, "5 outer rounds on every worker")
+        ok_rounds = sum(metric(w, 'swarmnode_outer_rounds_total{outcome="ok"}') for w in workers)
+        assert ok_rounds >= 2, "no pair ever averaged"
+        for w in workers:
+            m = w.metrics()
+            assert m["swarmnode_eval_loss"] < m["swarmnode_eval_loss_initial"] - 0.05, w.name
+            sizes = [json.loads(json.dumps(e))["group_size"] for e in events(w, "averaging_round_done")]
+            assert set(sizes) <= {1, 2} and sizes, sizes
+            assert metric(w, "swarmnode_outer_sent_bytes_total") > 0 or 2 not in sizes
+
+        # SIGKILL one worker: the rest keep taking rounds, none blocked past the timeout
+        victim = workers[1]
+        swarm.kill(victim)
+        others = [w for w in workers if w is not victim]
+        base = {w.name: rounds_of(w) for w in others}
+        wait_for(lambda: all(rounds_of(w) >= base[w.name] + 3 for w in others), 120,
+                 "3 more rounds on the survivors after a SIGKILL")
+        for w in others:
+            blocked = [e["blocked_s"] for e in events(w, "averaging_round_done")]
+            assert max(blocked) <= ROUND_TIMEOUT + 3.0, (w.name, max(blocked))
+
+        # a new worker joins mid-run from a peer's state and catches up
+        donor_round = max(rounds_of(w) for w in others)
+        joiner = swarm.start("noloco", name="joiner")
+        swarm.wait_ready([joiner], timeout=180)
+        resumed = wait_for(lambda: events(joiner, "resume"), 30, "the joiner's resume event")
+        assert resumed[0]["source"] == "peer" and resumed[0]["round"] >= donor_round - 2
+        wait_for(lambda: rounds_of(joiner) >= resumed[0]["round"] + 2, 120, "the joiner's own rounds")
+        assert joiner.metrics()["swarmnode_eval_loss"] < others[0].metrics()["swarmnode_eval_loss_initial"]
+
+        # SIGTERM: drains, exits 0 within the budget, writes a checkpoint; --resume continues from it
+        leaver = workers[2]
+        t0 = time.monotonic()
+        swarm.signal(leaver, signal.SIGTERM)
+        assert swarm.wait_exit(leaver, 20) == 0, leaver.log_text()[-3000:]
+        assert time.monotonic() - t0 <= 17
+        last_round = int(max(e["round"] for e in events(leaver, "averaging_round_done")))
+        again = swarm.start("noloco", name=leaver.name, resume=True)
+        swarm.wait_ready([again], timeout=180)
+        res = wait_for(lambda: [e for e in events(again, "resume") if e.get("source") == "checkpoint"], 30,
+                       "a resume-from-checkpoint event")
+        assert res[-1]["round"] == last_round
+        assert re.search(r'"event": "drained"', leaver.log_text())
