@@ -210,7 +210,7 @@ def _agg(values: list[float]) -> dict[str, float]:
 
 def run(quick: bool = True, W: Sequence[int] | None = None, steps: int | None = None,
         H: int | None = None, seeds: Sequence[int] | None = None,
-        runs: Sequence[str] | None = None, lr: float = 3e-3, threads: int = 2,
+        runs: Sequence[str] | None = None, lr: float = 3e-3, threads: int = 1,
         layout: str = "interleaved", eval_every: int | None = None,
         log=print) -> dict[str, Any]:
     """Run the benchmark and return the result dict (also what `--out` writes).
@@ -324,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, help="inner steps between evaluations")
     ap.add_argument("--layout", choices=["interleaved", "contiguous"], default="interleaved",
                     help="contiguous = the non-IID variant (each worker its own files)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1 avoids OpenMP oversubscription on a shared 2-core box)")
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     args = ap.parse_args(argv)
     result = run(quick=args.quick, W=args.W, steps=args.steps, H=args.H, seeds=args.seeds,

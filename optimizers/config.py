@@ -63,7 +63,8 @@ class InnerConfig(BaseModel):
     @classmethod
     def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
         if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError(f"inner.betas={v} must both lie in [0, 1); the default is (0.9, 0.999)")
+            raise ValueError(
+                f"inner.betas={v} must both lie in [0, 1); the default is (0.9, 0.999)")
         return v
 
     @model_validator(mode="after")
@@ -211,7 +212,8 @@ class NoLoCoConfig(BaseModel):
                     f"group_size={self.group_size} with outer='diloco': DiLoCo always averages "
                     "over every live worker; remove group_size or set it to \"all\" (use "
                     "outer='noloco' for small groups)")
-        if self.pairing == "matchmaking" and self.round_timeout <= self.matchmaking_time + self.jitter_s:
+        mm_deadline = self.matchmaking_time + self.jitter_s
+        if self.pairing == "matchmaking" and self.round_timeout <= mm_deadline:
             raise ValueError(
                 f"round_timeout={self.round_timeout} must exceed matchmaking_time + jitter_s = "
                 f"{self.matchmaking_time + self.jitter_s}, or every round times out before the "

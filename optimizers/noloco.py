@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["NoLoCoOuter", "all_finite", "copy_into", "replica_spread"]
+__all__ = ["NoLoCoOuter", "all_finite", "copy_into", "make_outer", "replica_spread"]
 
 Consensus = Literal["tied"] | float
 
@@ -183,7 +183,7 @@ class NoLoCoOuter:
         for phi, m, tb, pb in zip(self.phi, self.m, theta_bar, phi_bar):
             tb32, pb32 = tb.to(torch.float32), pb.to(torch.float32)
             direction = tb32 - pb32                                  # mean_G(theta - phi)
-            toward_centre = pb32 - phi                               # consensus: + gamma*(phi_bar - phi)
+            toward_centre = pb32 - phi                               # + gamma*(phi_bar - phi)
             m.mul_(alpha).add_(direction, alpha=beta).add_(toward_centre, alpha=gamma)
             phi.add_(m)
         return self.phi
@@ -211,3 +211,11 @@ class NoLoCoOuter:
                     for t, p in zip(state["phi"], self.phi)]
         self.m = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
                   for t, p in zip(state["m"], self.m)]
+
+
+def make_outer(params: Sequence[Tensor], cfg: Any):
+    """`NoLoCoOuter` or `DiLoCoOuter` for a `NoLoCoConfig`, built from the initial parameters."""
+    if cfg.outer == "noloco":
+        return NoLoCoOuter.from_config(params, cfg)
+    from optimizers.diloco import DiLoCoOuter      # diloco imports this module's helpers
+    return DiLoCoOuter.from_config(params, cfg)

@@ -207,7 +207,9 @@ def test_aws_spot_notice_drains_and_exits_0(tmp_path):
             f"preemption.aws_token_url={base}/latest/api/token",
             "preemption.poll_interval_s=0.5", "drain.budget_s=10"])
         swarm.wait_ready([node], timeout=START_S)
-        assert imds.tokens >= 1  # the watcher is polling with an IMDSv2 token
+        # the watcher polls with an IMDSv2 token (it may start a moment after READY)
+        wait_for(lambda: imds.tokens >= 1 or not node.alive(), 30, what="an IMDSv2 token request")
+        assert imds.tokens >= 1, node.log_text()[-3000:]
         imds.armed.set()
 
         # watch /metrics until the process is gone: catch the counter if the drain is slow enough

@@ -99,7 +99,8 @@ def test_state_dict_round_trip_and_fp32(form):
     assert resumed.rounds == 3
     for tb in bars[3:]:
         resumed.outer_step(tb, tb, None, 3)
-    assert all(torch.equal(x, y) for x, y in zip(straight.phi + straight.m, resumed.phi + resumed.m))
+    assert all(torch.equal(x, y)
+               for x, y in zip(straight.phi + straight.m, resumed.phi + resumed.m))
     with pytest.raises(ValueError, match="original outer settings"):
         DiLoCoOuter(theta0, 0.5, momentum=form).load_state_dict(first.state_dict())
 

@@ -133,6 +133,7 @@ def test_overfit_tiny_batch():
 def test_bf16_model_runs_and_trains():
     model = build_model(CFG.model_copy(update={"dtype": "bfloat16"}), 0)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.head.weight is model.embed.weight                  # tie survives the cast
     ref = build_model(CFG, 0)
     assert torch.equal(model.embed.weight, ref.embed.weight.bfloat16())
     x = _tokens()

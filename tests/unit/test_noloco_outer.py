@@ -8,7 +8,8 @@ import torch
 
 from optimizers.diloco import DiLoCoOuter
 from optimizers.grouping import groups_for_roster
-from optimizers.noloco import NoLoCoOuter, all_finite, copy_into, replica_spread
+from optimizers.config import NoLoCoConfig
+from optimizers.noloco import NoLoCoOuter, all_finite, copy_into, make_outer, replica_spread
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]
 
@@ -101,7 +102,8 @@ def _wrong_sign_step(phi, phi_bar, gamma):
 @pytest.mark.parametrize("consensus,gamma", [("tied", 0.7), (0.7, 0.7), (0.3, 0.3)])
 def test_n4_pair_gap_shrinks_by_one_minus_gamma_and_sum_conserved(consensus, gamma):
     gen = torch.Generator().manual_seed(4)
-    a, b = NoLoCoOuter(_rand(gen), 0.7, 0.0, consensus), NoLoCoOuter(_rand(gen), 0.7, 0.0, consensus)
+    a = NoLoCoOuter(_rand(gen), 0.7, 0.0, consensus)
+    b = NoLoCoOuter(_rand(gen), 0.7, 0.0, consensus)
     gap0 = [x - y for x, y in zip(a.phi, b.phi)]
     sum0 = [x + y for x, y in zip(a.phi, b.phi)]
     thetas = [[p.clone() for p in a.phi], [p.clone() for p in b.phi]]   # theta = phi
@@ -328,3 +330,12 @@ def test_n13_fp32_state_and_buffers_with_bf16_model(consensus):
     assert all(p.dtype == torch.bfloat16 for p in params)
     assert all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(params, new))
     assert all(t.dtype == torch.float32 for t in outer.state_dict()["phi"])
+
+
+def test_make_outer_from_config():
+    theta0 = _rand(torch.Generator().manual_seed(14))
+    o = make_outer(theta0, NoLoCoConfig(consensus=0.3))
+    assert isinstance(o, NoLoCoOuter) and o.gamma == 0.3 and o.outer_momentum == 0.5
+    d = make_outer(theta0, NoLoCoConfig(outer="diloco", diloco_momentum="nesterov",
+                                        outer_momentum=0.9))
+    assert isinstance(d, DiLoCoOuter) and d.momentum == "nesterov" and d.outer_momentum == 0.9

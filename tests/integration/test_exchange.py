@@ -1,0 +1,313 @@
+"""optimizers/exchange.py on real hivemind DHTs and real grpc.aio servers on 127.0.0.1.
+
+One pytest process: four DHT peers (p2pd) for the whole module, and per test a grpc.aio server
+plus an OuterExchange per simulated worker, driven concurrently with asyncio.gather. Every
+test uses its own round numbers, so roster records of earlier tests never interfere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+
+import grpc
+import hivemind
+import pytest
+import torch
+
+from node.netem import LinkEmulator, LinkSpec, NetemConfig
+from optimizers import exchange_wire as W
+from optimizers.exchange import METHOD, OuterExchange, add_exchange_to_server
+from optimizers.roster import ROSTER_NAMESPACE
+from protocol import noloco_pb2_grpc
+from protocol.grpc_options import channel_options, server_options
+from security.keys import generate_key, peer_id_str, write_key_file
+from security.records import SignedRecordValidator
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+RUN = "xtest"
+CFG = "cfg-a"
+MiB = 1 << 20
+SPECS = [("w", torch.float32, (257, 33)), ("b", torch.float32, (1000,)), ("s", torch.float32, ())]
+_rounds = itertools.count(100, 10)
+
+
+def next_round() -> int:
+    return next(_rounds)
+
+
+@pytest.fixture(scope="module")
+def dhts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dht")
+    keys = [generate_key() for _ in range(4)]
+    started = []
+    try:
+        for i, key in enumerate(keys):
+            path = write_key_file(tmp / f"k{i}.key", key)
+            peers = started[0][0].get_visible_maddrs() if started else []
+            dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, identity_path=str(path),
+                               record_validators=[SignedRecordValidator(RUN, key, [ROSTER_NAMESPACE])],
+                               check_if_identity_free=False, start=True)
+            started.append((dht, peer_id_str(key)))
+        yield started
+    finally:
+        for dht, _ in started:
+            dht.shutdown()
+
+
+class Worker:
+    def __init__(self, dht, peer_id, specs, cfg_hash, netem, generated):
+        self.dht, self.peer_id, self.rejects = dht, peer_id, []
+        self.specs, self.cfg_hash, self.netem, self.generated = specs, cfg_hash, netem, generated
+
+    async def start(self):
+        self.server = grpc.aio.server(options=server_options())
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.addr = f"127.0.0.1:{port}"
+        self.ex = OuterExchange(run_id=RUN, peer_id=self.peer_id, cfg_hash=self.cfg_hash, grpc_addr=self.addr,
+                                dht=self.dht, specs=self.specs, netem=self.netem, poll_interval_s=0.1,
+                                on_reject=self.rejects.append)
+        if self.generated:
+            noloco_pb2_grpc.add_NoLoCoServicer_to_server(self.ex.servicer(), self.server)
+        else:
+            add_exchange_to_server(self.ex.servicer(), self.server)
+        await self.server.start()
+        return self
+
+    async def stop(self):
+        await self.ex.close()
+        await self.server.stop(0)
+
+
+async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None, generated=False):
+    """n workers sorted by ascending peer ID."""
+    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem, generated).start()
+          for i, (d, p) in enumerate(dhts[:n])]
+    return sorted(ws, key=lambda w: w.peer_id)
+
+
+def tensors(seed, specs=SPECS, nan=False):
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(s, generator=g, dtype=d) for _, d, s in specs]
+    if nan:
+        out[0].view(-1)[5] = math.nan
+    return out
+
+
+async def stop_all(ws):
+    await asyncio.gather(*(w.stop() for w in ws), return_exceptions=True)
+
+
+async def test_two_workers_exact_mean(dhts):
+    for generated in (False, True):  # our zero-copy handler, then the generated servicer
+        ws = await workers(dhts, 2, generated=generated)
+        try:
+            r = next_round()
+            a, b = tensors(1), tensors(2)
+            ra, rb = await asyncio.gather(ws[0].ex.pair_average(r, a, 10), ws[1].ex.pair_average(r, b, 10))
+            for res, other in ((ra, ws[1]), (rb, ws[0])):
+                assert (res.outcome, res.n, res.partners, res.reason) == ("ok", 2, [other.peer_id], "")
+                nbytes = sum(t.numel() * 4 for t in a)
+                assert res.sent_bytes == res.received_bytes == nbytes
+                assert 0 < res.exchange_s <= res.blocked_s < 10
+            for ma, mb, x, y in zip(ra.mean, rb.mean, a, b):
+                assert torch.equal(ma, (x + y) / 2) and torch.equal(ma, mb)
+            assert not ws[0].rejects and not ws[1].rejects
+        finally:
+            await stop_all(ws)
+
+
+async def test_four_staggered_all_pair(dhts):
+    ws = await workers(dhts, 4)
+    try:
+        r = next_round()
+
+        async def go(i, w):
+            await asyncio.sleep(0.3 * i)
+            return await w.ex.pair_average(r, tensors(10 + i), 15)
+
+        res = await asyncio.gather(*(go(i, w) for i, w in enumerate(reversed(ws))))
+        res = dict(zip([w.peer_id for w in reversed(ws)], res))
+        assert all(x.outcome == "ok" and x.n == 2 for x in res.values()), {p[:12]: (x.outcome, x.reason) for p, x in res.items()}
+        partner = {p: x.partners[0] for p, x in res.items()}
+        assert all(partner[partner[p]] == p and partner[p] != p for p in partner)  # symmetric, disjoint
+        for p, x in res.items():
+            assert all(torch.equal(m1, m2) for m1, m2 in zip(x.mean, res[partner[p]].mean))
+    finally:
+        await stop_all(ws)
+
+
+async def test_three_workers_one_solo(dhts):
+    ws = await workers(dhts, 3)
+    try:
+        r, timeout = next_round(), 4.0
+        res = await asyncio.gather(*(w.ex.pair_average(r, tensors(20 + i), timeout) for i, w in enumerate(ws)))
+        assert sorted(x.n for x in res) == [1, 2, 2]
+        solo = next(x for x in res if x.n == 1)
+        assert solo.outcome == "solo" and solo.mean is None and solo.reason in ("timeout", "no_partner")
+        assert solo.blocked_s <= timeout + 1.0
+        (pa, a), (pb, b) = [(w.peer_id, x) for w, x in zip(ws, res) if x.n == 2]
+        assert a.partners == [pb] and b.partners == [pa]
+        assert all(torch.equal(m1, m2) for m1, m2 in zip(a.mean, b.mean))
+    finally:
+        await stop_all(ws)
+
+
+async def _kill_during_stream(dhts, kill_caller: bool):
+    netem = LinkEmulator(NetemConfig(enabled=True, default=LinkSpec(bandwidth_mbps=200)))
+    specs = [("big", torch.float32, (4 * MiB,))]  # 16 MiB: ~0.7 s at 200 Mbit/s
+    ws = await workers(dhts, 2, specs=specs, netem=netem)
+    try:
+        r, timeout = next_round(), 6.0
+        caller, callee = ws
+        victim, survivor = (caller, callee) if kill_caller else (callee, caller)
+        t_victim = asyncio.create_task(victim.ex.pair_average(r, tensors(1, specs), timeout))
+        t_survivor = asyncio.create_task(survivor.ex.pair_average(r, tensors(2, specs), timeout))
+        t0 = time.perf_counter()
+        while not (caller.ex._state and caller.ex._state.matched) and time.perf_counter() - t0 < timeout:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # mid-stream
+        t_victim.cancel()
+        await victim.server.stop(0)
+        await victim.ex.close()
+        res = await asyncio.wait_for(t_survivor, timeout + 2)
+        assert res.outcome == "failed" and res.mean is None and res.n == 1, res
+        assert res.reason in ("partner_error", "timeout"), res.reason
+        assert res.blocked_s <= timeout + 1.0
+    finally:
+        await stop_all(ws)
+
+
+async def test_partner_dies_mid_stream(dhts):
+    await _kill_during_stream(dhts, kill_caller=False)
+    await _kill_during_stream(dhts, kill_caller=True)
+
+
+async def test_nan_is_rejected(dhts):
+    for nan_on_caller in (False, True):
+        ws = await workers(dhts, 2)
+        try:
+            r = next_round()
+            caller, callee = ws
+            rc, re_ = await asyncio.gather(caller.ex.pair_average(r, tensors(1, nan=nan_on_caller), 8),
+                                           callee.ex.pair_average(r, tensors(2, nan=not nan_on_caller), 8))
+            receiver, sender = (callee, caller) if nan_on_caller else (caller, callee)
+            res_recv, res_send = (re_, rc) if nan_on_caller else (rc, re_)
+            assert (res_recv.outcome, res_recv.reason, res_recv.mean) == ("failed", "nonfinite", None)
+            assert receiver.rejects == ["nonfinite"]
+            assert res_send.outcome == "failed" and res_send.mean is None  # no ack from the receiver
+        finally:
+            await stop_all(ws)
+
+
+async def _open(addr, **fields):
+    """Open Exchange with a hand-made header; return (reply header or None, status code, details)."""
+    async with grpc.aio.insecure_channel(addr, options=channel_options()) as ch:
+        call = ch.stream_stream(METHOD, request_serializer=W.serialize, response_deserializer=W.parse_wire)(timeout=5)
+        await call.write(W.header_frame(True, **fields))
+        reply = await call.read()
+        hdr = None if reply is grpc.aio.EOF else W.split(reply)[1]
+        return hdr, await call.code(), await call.details()
+
+
+async def test_bad_headers_rejected_and_counted(dhts):
+    ws = await workers(dhts, 1)
+    w = ws[0]
+    try:
+        r = next_round()
+        waiting = asyncio.create_task(w.ex.pair_average(r, tensors(1), 20))
+        while w.ex._state is None:
+            await asyncio.sleep(0.01)
+        lower = next(p for p in (peer_id_str(generate_key()) for _ in range(200)) if p < w.peer_id)
+        higher = next(p for p in (peer_id_str(generate_key()) for _ in range(200)) if p > w.peer_id)
+        good = dict(run_id=RUN, round=r, sender=lower, cfg_hash=CFG, n_tensors=len(SPECS), mode="pair",
+                    spec_hash=W.spec_hash(SPECS), stage="open")
+        inv, pre = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+        cases = [
+            (dict(run_id="other"), inv, "run"),
+            (dict(cfg_hash="cfg-b"), inv, "cfg_hash"),
+            (dict(spec_hash="0" * 16), inv, "specs"),
+            (dict(n_tensors=2), inv, "specs"),
+            (dict(sender="QmNotAnEd25519Peer"), inv, "sender"),
+            (dict(round=r - 5), pre, "stale"),
+            (dict(round=r + 5), pre, "future"),
+            (dict(round=r + 1), pre, "other_round"),
+            (dict(sender=higher), inv, "order"),
+            (dict(mode="gather"), pre, "mode_mismatch"),
+        ]
+        for change, code, reason in cases:
+            hdr, got_code, details = await _open(w.addr, **{**good, **change})
+            assert got_code == code and hdr is not None and not hdr.accepted and hdr.reason == reason, (change, got_code)
+            if reason in ("stale", "future", "other_round"):
+                assert f"current round {r}" in details
+        assert w.rejects == ["run", "cfg_hash", "specs", "specs", "sender", "stale", "future", "order"]
+        assert not waiting.done()
+        await w.ex.close()
+        res = await asyncio.wait_for(waiting, 3)
+        assert (res.outcome, res.reason, res.n) == ("solo", "closed", 1)
+    finally:
+        await stop_all(ws)
+
+
+async def test_wrong_cfg_hash_never_pairs(dhts):
+    ws = await workers(dhts, 2, cfgs=[CFG, "cfg-b"])
+    try:
+        r = next_round()
+        res = await asyncio.gather(*(w.ex.pair_average(r, tensors(i), 2.0) for i, w in enumerate(ws)))
+        assert [(x.outcome, x.reason) for x in res] == [("solo", "no_partner")] * 2
+    finally:
+        await stop_all(ws)
+
+
+async def test_group_average_three(dhts):
+    ws = await workers(dhts, 3)
+    try:
+        r = next_round()
+        ins = [tensors(30 + i) for i in range(3)]
+
+        async def go(i, w):
+            await asyncio.sleep(0.2 * (2 - i))  # the root (lowest ID) arrives last
+            return await w.ex.group_average(r, ins[i], 10, expected=3)
+
+        res = await asyncio.gather(*(go(i, w) for i, w in enumerate(ws)))
+        for i, x in enumerate(res):
+            assert (x.outcome, x.n) == ("ok", 3), (x.outcome, x.reason)
+            assert sorted(x.partners) == sorted(w.peer_id for j, w in enumerate(ws) if j != i)
+            for m, m0 in zip(x.mean, res[0].mean):
+                assert torch.equal(m, m0)  # bitwise identical across members
+        for k in range(len(SPECS)):
+            torch.testing.assert_close(res[0].mean[k], (ins[0][k] + ins[1][k] + ins[2][k]) / 3, rtol=1e-6, atol=1e-7)
+        assert res[0].received_bytes == 2 * sum(t.numel() * 4 for t in ins[0])
+    finally:
+        await stop_all(ws)
+
+
+async def test_group_average_missing_member_goes_ahead(dhts):
+    ws = await workers(dhts, 2)
+    try:
+        r = next_round()
+        res = await asyncio.gather(*(w.ex.group_average(r, tensors(40 + i), 4, expected=3) for i, w in enumerate(ws)))
+        assert [(x.outcome, x.n) for x in res] == [("ok", 2)] * 2
+        assert all(torch.equal(a, b) for a, b in zip(res[0].mean, res[1].mean))
+        assert all(x.blocked_s < 4 + 1 for x in res)
+    finally:
+        await stop_all(ws)
+
+
+async def test_timing_64mib_pair(dhts):
+    specs = [("theta", torch.float32, (16 * MiB,))]  # 64 MiB
+    ws = await workers(dhts, 2, specs=specs)
+    try:
+        a, b = tensors(1, specs), tensors(2, specs)
+        for attempt in range(2):
+            r = next_round()
+            ra, rb = await asyncio.gather(ws[0].ex.pair_average(r, a, 30), ws[1].ex.pair_average(r, b, 30))
+            assert ra.outcome == rb.outcome == "ok"
+            print(f"\n64 MiB pair exchange (one process, both sides), try {attempt}: exchange "
+                  f"{ra.exchange_s:.3f}/{rb.exchange_s:.3f} s, blocked {ra.blocked_s:.3f}/{rb.blocked_s:.3f} s")
+        assert torch.equal(ra.mean[0], (a[0] + b[0]) / 2)
+    finally:
+        await stop_all(ws)
