@@ -206,7 +206,7 @@ class _Pair:
         self.boot, self.out_q, self.barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(2)
         self.cmd_qs = [ctx.Queue(), ctx.Queue()]
         self.procs = [ctx.Process(target=target, args=(i, self.boot, self.cmd_qs[i], self.out_q,
-                                                       self.barrier, *args_fn(i)), daemon=True)
+                                                       self.barrier, *args_fn(i)), daemon=False)
                       for i in range(2)]
 
     def start(self, timeout: float = 180.0) -> None:
@@ -237,6 +237,8 @@ class _Pair:
             except Exception:  # noqa: BLE001
                 pass
         for p in self.procs:
+            if p._popen is None:  # never started
+                continue
             p.join(timeout=20)
             if p.is_alive():
                 p.terminate()

@@ -45,19 +45,37 @@ def _sum(metrics: dict[str, float], name: str) -> float:
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
 
 
+def _finished_event(node: NodeProc) -> dict[str, Any] | None:
+    """The worker's own end-of-training report (its last ``training_finished`` log line)."""
+    found = None
+    for line in node.log_text().splitlines():
+        if '"event": "training_finished"' in line:
+            try:
+                found = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    return found
+
+
 def node_progress(node: NodeProc) -> dict[str, Any]:
     r = node.readyz() or {}
     m = node.metrics() if node.alive() else {}
     if m:
         node.extra["last_metrics"] = m
     m = m or node.extra.get("last_metrics", {})
-    return {"name": node.name, "state": r.get("state", "exited" if not node.alive() else "starting"),
-            "reason": r.get("reason", ""), "steps": _m(m, "swarmnode_train_steps_total"),
-            "loss": _m(m, "swarmnode_train_loss"), "eval_loss": _m(m, "swarmnode_eval_loss"),
-            "eval_loss_start": _m(m, "swarmnode_eval_loss_initial"),
-            "loss_start": _m(m, "swarmnode_train_loss_initial"),
-            "rounds": _sum(m, "swarmnode_outer_rounds_total"),
-            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
+    row = {"name": node.name, "state": r.get("state", "exited" if not node.alive() else "starting"),
+           "reason": r.get("reason", ""), "steps": _m(m, "swarmnode_train_steps_total"),
+           "loss": _m(m, "swarmnode_train_loss"), "eval_loss": _m(m, "swarmnode_eval_loss"),
+           "eval_loss_start": _m(m, "swarmnode_eval_loss_initial"),
+           "loss_start": _m(m, "swarmnode_train_loss_initial"),
+           "rounds": _sum(m, "swarmnode_outer_round"),
+           "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
+    done = _finished_event(node) if not node.alive() else None
+    if done:  # exact final figures, even if the last scrape missed them
+        row.update(steps=done["step"], rounds=done["round"], eval_loss=done["eval_loss_end"],
+                   eval_loss_start=done["eval_loss_start"], loss=done["train_loss_end"],
+                   loss_start=done["train_loss_start"], rounds_ok=done["rounds_ok"], state="finished")
+    return row
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:
@@ -93,7 +111,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n = args.nodes if args.nodes is not None else (4 if training else 3)
     common = list(args.set or [])
     if training:
-        common += ["noloco.exit_after_steps=" + str(args.steps if args.steps else 200)]
+        # one torch thread per worker: several workers share this machine's cores
+        common = ["noloco.torch_threads=1", "noloco.exit_after_steps=" + str(args.steps if args.steps else 200),
+                  *common]
     print(f"swarmnode demo: bootstrap + {n} {role} node(s) on 127.0.0.1"
           + (f", {args.steps or 200} inner steps each" if training else ""), flush=True)
     t0 = time.monotonic()
@@ -116,6 +136,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 if args.duration is not None and time.monotonic() - t0 >= args.duration:
                     break
                 if training and all(not w.alive() for w in workers):
+                    rows = [node_progress(w) for w in workers]
                     break
         except KeyboardInterrupt:
             print("\nstopping (Ctrl-C): draining every node…", flush=True)

@@ -37,12 +37,12 @@ from node.roles import NodeContext, register
 from optimizers import checkpoint, noloco_metrics as M
 from optimizers.config import NoLoCoConfig
 from optimizers.diloco import DiLoCoOuter
-from optimizers.exchange import OuterExchange
+from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.noloco import NoLoCoOuter, all_finite, copy_into
 from optimizers.roster import ROSTER_NAMESPACE
 from optimizers.schedule import inner_lr_scheduler
 from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
-from protocol import noloco_pb2_grpc, weights_pb2_grpc
+from protocol import weights_pb2_grpc
 
 log = logging.getLogger("swarmnode.noloco")
 
@@ -124,10 +124,13 @@ class NoLoCoRole:
         self._partners: deque[tuple[str, ...]] = deque(maxlen=21)
         self._compute = threading.Lock()  # held by the compute thread while it touches the model
         self._round_start_step = 0  # inner step at the last outer step; theta == phi there
+        self._first_loss: float | None = None
+        self._last_loss: float | None = None
+        self._rounds_ok = 0
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
     def services(self):
-        return [(noloco_pb2_grpc.add_NoLoCoServicer_to_server, self.exchange.servicer(), "swarmnode.NoLoCo"),
+        return [(add_exchange_to_server, self.exchange.servicer(), "swarmnode.NoLoCo"),
                 (weights_pb2_grpc.add_WeightServiceServicer_to_server, self.state_servicer, "swarmnode.WeightService")]
 
     # ---------------- start-up ----------------
@@ -182,25 +185,31 @@ class NoLoCoRole:
                     self._round_task.cancel()
                 raise
             if self.cfg.exit_after_steps and self.step >= self.cfg.exit_after_steps:
-                log.info("reached %d inner steps: draining", self.step, extra={"event": "training_finished",
-                                                                               "step": self.step})
                 self._stopping = True
+                final_eval = await asyncio.to_thread(evaluate, self.model, self.eval_set)
+                M.EVAL_LOSS.set(final_eval)
+                log.info("reached %d inner steps (round %d, eval loss %.4f -> %.4f): draining", self.step,
+                         self.round, eval0, final_eval,
+                         extra={"event": "training_finished", "step": self.step, "round": self.round,
+                                "eval_loss_start": eval0, "eval_loss_end": final_eval,
+                                "train_loss_start": self._first_loss, "train_loss_end": self._last_loss,
+                                "rounds_ok": self._rounds_ok})
                 self.ctx.request_drain("finished")
 
     # ---------------- joining / resuming ----------------
-    async def _try_join(self) -> None:
+    async def _fetch_from_donor(self, min_round: int) -> tuple[int, list[torch.Tensor], str] | None:
+        """(round, phi, donor) from a random READY worker of this run at round >= min_round."""
         try:
             views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
-        except Exception as exc:  # noqa: BLE001 - no view of the swarm: start from the seed
+        except Exception as exc:  # noqa: BLE001 - no view of the swarm: nothing to fetch
             log.warning("could not read node cards to find a state donor: %r", exc)
-            return
+            return None
         donors = [v for v in views if v.card.role == "noloco" and v.card.state == "ready"
                   and v.peer_id != self.ctx.peer_id and v.card.details.get("cfg_hash") == self.cfg_hash
-                  and int(v.card.details.get("round", 0)) > 0]
+                  and int(v.card.details.get("round", 0)) >= min_round]
         random.shuffle(donors)
         expected = {n: (torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)}
         for donor in donors[:3]:
-            await self.ctx.set_role_ready(False, "state_sync", f"downloading state from {donor.peer_id[:16]}…")
             try:
                 rnd, tensors = await fetch_state(donor.card.grpc_addr, self.ctx.config.run_id, self.ctx.peer_id,
                                                  self.cfg_hash, expected,
@@ -209,7 +218,15 @@ class NoLoCoRole:
                 M.STATE_DOWNLOADS.labels(outcome="failed").inc()
                 log.warning("state download failed: %s", exc, extra={"event": "state_download_failed"})
                 continue
-            phi = [tensors[n] for n in self.names]
+            M.STATE_DOWNLOADS.labels(outcome="ok").inc()
+            return rnd, [tensors[n] for n in self.names], donor.peer_id
+        return None
+
+    async def _try_join(self) -> None:
+        await self.ctx.set_role_ready(False, "state_sync", "looking for a peer with the run's current state")
+        got = await self._fetch_from_donor(min_round=1)
+        if got is not None:
+            rnd, phi, donor = got
             with torch.no_grad():
                 copy_into(self.params, phi)
             self.outer = type(self.outer).from_config([p.detach() for p in self.params], self.cfg)
@@ -217,10 +234,23 @@ class NoLoCoRole:
             self.step = rnd * self.cfg.inner_steps
             self._make_optimizer(self.step)
             self._round_start_step = self.step
-            M.STATE_DOWNLOADS.labels(outcome="ok").inc()
-            log.info("joined at round %d with state from %s", rnd, donor.peer_id,
-                     extra={"event": "resume", "source": "peer", "round": rnd, "donor": donor.peer_id})
+            log.info("joined at round %d with state from %s", rnd, donor,
+                     extra={"event": "resume", "source": "peer", "round": rnd, "donor": donor})
+
+    async def _resync_phi(self) -> None:
+        """DiLoCo assumes identical phi: after a missed global round, take a peer's phi (and round);
+        the Adam state and momentum stay local."""
+        got = await self._fetch_from_donor(min_round=self.round)
+        if got is None:
             return
+        rnd, phi, donor = got
+        with self._compute, torch.no_grad():
+            self.outer.set_phi(phi)
+            copy_into(self.params, self.outer.phi)
+        self.round = rnd
+        self._take_snapshot()
+        log.info("re-fetched phi at round %d from %s after a missed DiLoCo round", rnd, donor,
+                 extra={"event": "phi_resync", "round": rnd, "donor": donor})
 
     def _try_resume(self) -> bool:
         try:
@@ -282,8 +312,10 @@ class NoLoCoRole:
             if self.cfg.compute_delay_s:
                 time.sleep(self.cfg.compute_delay_s)
             loss_val = float(loss.detach())
-            if self.step == 0:
+            if self._first_loss is None:
+                self._first_loss = loss_val
                 M.TRAIN_LOSS_INITIAL.set(loss_val)
+            self._last_loss = loss_val
             self.step += 1
             M.TRAIN_STEPS.inc()
             M.TRAIN_TOKENS.inc(x.numel())
@@ -332,6 +364,7 @@ class NoLoCoRole:
         if n == 1:
             M.SOLO_ROUNDS.labels(reason=reason or "no_partner").inc()
         M.GROUP_SIZE.observe(n)
+        self._rounds_ok += n > 1
         M.BLOCKED_SECONDS.observe(res.blocked_s)
         M.SENT_BYTES.inc(res.sent_bytes)
         M.RECEIVED_BYTES.inc(res.received_bytes)
@@ -352,6 +385,8 @@ class NoLoCoRole:
             M.EVAL_LOSS.set(await asyncio.to_thread(evaluate, self.model, self.eval_set))
         if self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             await asyncio.to_thread(self._save_checkpoint)
+        if self.cfg.outer == "diloco" and n == 1 and outcome != "ok":
+            await self._resync_phi()
 
     async def _live_workers(self) -> int:
         try:
