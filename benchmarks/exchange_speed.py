@@ -149,6 +149,7 @@ def _hm_worker(idx: int, boot, cmd_q, out_q, barrier, n: int, numel: int, timeou
         from hivemind.averaging import DecentralizedAverager
         from hivemind.averaging.control import AveragingStage
 
+        mp.set_start_method("fork", force=True)  # hivemind forks its averager (spawn can't pickle it)
         torch.set_num_threads(threads)
         peers = [] if idx == 0 else boot.get(timeout=60)
         dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, start=True)
@@ -209,9 +210,11 @@ class _Pair:
                                                        self.barrier, *args_fn(i)), daemon=False)
                       for i in range(2)]
 
-    def start(self, timeout: float = 180.0) -> None:
+    def launch(self) -> None:
         for p in self.procs:
             p.start()
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
         self._collect("ready", timeout)
 
     def _collect(self, what: str, timeout: float) -> list[Any]:
@@ -249,24 +252,60 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
 
 
-def run_exchange_bench(quick: bool = True, repeats: int | None = None, n_tensors: int = N_TENSORS,
-                       tensor_mib: float = TENSOR_MIB, timeout: float = 60.0,
-                       mm_time: float = 1.0, req_timeout: float = 0.5, threads: int = 1,
-                       log=print) -> dict[str, Any]:
-    """Run both exchanges; returns {"summary": {...}, "ours": ..., "hivemind": ..., "config"}."""
-    repeats = repeats or (3 if quick else 7)
-    numel = int(tensor_mib * MiB) // 4
-    nbytes = n_tensors * numel * 4
-    ctx = mp.get_context("spawn")
-    t_start = time.perf_counter()
-    tmp = tempfile.mkdtemp(prefix="xbench_")
-    ours = _Pair(ctx, _ours_worker, lambda i: (tmp, n_tensors, numel, timeout, threads))
-    hm = _Pair(ctx, _hm_worker, lambda i: (n_tensors, numel, timeout, mm_time, req_timeout, threads))
-    rows: dict[str, list[list[dict[str, Any]]]] = {"ours": [], "hm_total": [], "hm_allreduce": []}
-    try:
-        ours.start()
-        hm.start()
-        log(f"exchange bench: workers up after {time.perf_counter() - t_start:.1f}s; "
+class ExchangeBench:
+    """Two phases, so a caller can overlap the slow process start-up (imports, DHTs, servers)
+    with other work: ``launch()`` returns at once; ``measure()`` waits until all four worker
+    processes are ready, then runs the warm-up and the timed repeats and shuts them down.
+    Do not run other CPU-heavy work during ``measure()``."""
+
+    def __init__(self, quick: bool = True, repeats: int | None = None, n_tensors: int = N_TENSORS,
+                 tensor_mib: float = TENSOR_MIB, timeout: float = 60.0, mm_time: float = 1.0,
+                 req_timeout: float = 0.5, threads: int = 1, log=print) -> None:
+        self.quick, self.repeats = quick, repeats or (3 if quick else 7)
+        self.n_tensors, self.tensor_mib, self.timeout = n_tensors, tensor_mib, timeout
+        self.mm_time, self.req_timeout, self.threads, self.log = mm_time, req_timeout, threads, log
+        self.numel = int(tensor_mib * MiB) // 4
+        self.nbytes = n_tensors * self.numel * 4
+        self.ours = self.hm = None
+        self.t_launch = None
+
+    def launch(self) -> "ExchangeBench":
+        ctx = mp.get_context("spawn")
+        self.t_launch = time.perf_counter()
+        tmp = tempfile.mkdtemp(prefix="xbench_")
+        n, numel, timeout, threads = self.n_tensors, self.numel, self.timeout, self.threads
+        self.ours = _Pair(ctx, _ours_worker, lambda i: (tmp, n, numel, timeout, threads))
+        self.hm = _Pair(ctx, _hm_worker, lambda i: (n, numel, timeout, self.mm_time,
+                                                    self.req_timeout, threads))
+        try:
+            self.ours.launch()
+            self.hm.launch()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for pair in (self.ours, self.hm):
+            if pair is not None:
+                pair.stop()
+
+    def measure(self) -> dict[str, Any]:
+        if self.ours is None:
+            self.launch()
+        try:
+            return self._measure()
+        finally:
+            self.close()
+
+    def _measure(self) -> dict[str, Any]:
+        ours, hm, log, timeout, repeats = self.ours, self.hm, self.log, self.timeout, self.repeats
+        n_tensors, nbytes, mm_time = self.n_tensors, self.nbytes, self.mm_time
+        t_start = time.perf_counter()
+        rows: dict[str, list[list[dict[str, Any]]]] = {"ours": [], "hm_total": [], "hm_allreduce": []}
+        ours.wait_ready()
+        hm.wait_ready()
+        log(f"exchange bench: workers up {time.perf_counter() - self.t_launch:.1f}s after launch; "
             f"{nbytes / MiB:.0f} MiB fp32 in {n_tensors} tensors")
         rnd = 0
         warm_o = ours.run(("run", rnd, "pair"), timeout + 30)
@@ -285,62 +324,69 @@ def run_exchange_bench(quick: bool = True, repeats: int | None = None, n_tensors
                 f"(stream {max(r['exchange_s'] for r in o):.3f}s, {o[0]['outcome']}/"
                 f"{o[1]['outcome']}); hivemind total {max(r['total_s'] for r in h):.3f}s, "
                 f"all-reduce only {max(r['allreduce_s'] for r in a):.3f}s")
-    finally:
-        ours.stop()
-        hm.stop()
 
-    ok_reps = [o for o in rows["ours"] if all(r["outcome"] == "ok" for r in o)]
-    ours_total = [max(r["total_s"] for r in o) for o in ok_reps]
-    ours_stream = [max(r["exchange_s"] for r in o) for o in ok_reps]
-    hm_ok = [h for h in rows["hm_total"] if all(r["group_size"] == 2 for r in h)]
-    hm_total = [max(r["total_s"] for r in h) for h in hm_ok]
-    hm_ar_ok = [a for a in rows["hm_allreduce"] if all(r["group_size"] == 2 for r in a)]
-    hm_ar = [max(r["allreduce_s"] for r in a) for a in hm_ar_ok]
-    mean_ok_ours = all(r["mean_ok"] for o in rows["ours"] + [warm_o] for r in o
-                       if r["outcome"] == "ok")
-    mean_ok_hm = all(r["mean_ok"] for r in warm_h if r["mean_ok"] is not None)
-    res_ours = {"total_s": _stats(ours_total) if ours_total else None,
-                "exchange_s": _stats(ours_stream) if ours_stream else None,
-                "ok_repeats": len(ok_reps), "repeats": repeats, "mean_correct": mean_ok_ours,
-                "outcomes": [[r["outcome"] + (f":{r['reason']}" if r["reason"] else "") for r in o]
-                             for o in rows["ours"]],
-                "sent_bytes_per_worker": ok_reps[0][0]["sent_bytes"] if ok_reps else None,
-                "warmup_total_s": max(r["total_s"] for r in warm_o)}
-    res_hm = {"total_s": _stats(hm_total) if hm_total else None,
-              "allreduce_s": _stats(hm_ar) if hm_ar else None,
-              "matchmaking_s_before_trigger": _stats([max(r["matchmaking_s"] for r in a)
-                                                      for a in hm_ar_ok]) if hm_ar_ok else None,
-              "ok_repeats": len(hm_ok), "repeats": repeats, "mean_correct": mean_ok_hm,
-              "warmup_total_s": max(r["total_s"] for r in warm_h)}
-    med = lambda d, k: d[k]["median"] if d.get(k) else None  # noqa: E731
-    o_t, o_s, h_t, h_a = med(res_ours, "total_s"), med(res_ours, "exchange_s"), \
-        med(res_hm, "total_s"), med(res_hm, "allreduce_s")
-    summary = {
-        "exchange_speedup_vs_hivemind_averager": (h_t / o_t) if o_t and h_t else None,
-        "ours_total_s": o_t, "hivemind_total_s": h_t,
-        "ours_stream_s": o_s, "hivemind_allreduce_only_s": h_a,
-        "speedup_transfer_only": (h_a / o_s) if o_s and h_a else None,
-        "ours_effective_MBps": nbytes / 1e6 / o_t if o_t else None,
-        "hivemind_effective_MBps": nbytes / 1e6 / h_t if h_t else None,
-        "model_bytes": nbytes, "repeats": repeats,
-        "means_correct": bool(mean_ok_ours and mean_ok_hm),
-        "note": ("medians after one warm-up; total = one complete exchange incl. matchmaking "
-                 "(ours: DHT roster + pairing; hivemind: min_matchmaking_time "
-                 f"{mm_time}s); headline = hivemind total / ours total; measured on 127.0.0.1 "
-                 "with no emulated latency/bandwidth"),
-    }
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {"benchmark": "exchange_speed", "summary": summary, "ours": res_ours,
-            "hivemind": res_hm,
-            "config": {"quick": quick, "n_tensors": n_tensors, "tensor_mib": tensor_mib,
-                       "model_mib": nbytes / MiB, "timeout_s": timeout,
-                       "hivemind_min_matchmaking_time": mm_time,
-                       "hivemind_request_timeout": req_timeout, "ours_poll_interval_s": 0.25,
-                       "torch_threads": threads, "loadavg": load, "cpus": os.cpu_count()},
-            "wall_s": round(time.perf_counter() - t_start, 2)}
+        ok_reps = [o for o in rows["ours"] if all(r["outcome"] == "ok" for r in o)]
+        ours_total = [max(r["total_s"] for r in o) for o in ok_reps]
+        ours_stream = [max(r["exchange_s"] for r in o) for o in ok_reps]
+        hm_ok = [h for h in rows["hm_total"] if all(r["group_size"] == 2 for r in h)]
+        hm_total = [max(r["total_s"] for r in h) for h in hm_ok]
+        hm_ar_ok = [a for a in rows["hm_allreduce"] if all(r["group_size"] == 2 for r in a)]
+        hm_ar = [max(r["allreduce_s"] for r in a) for a in hm_ar_ok]
+        mean_ok_ours = all(r["mean_ok"] for o in rows["ours"] + [warm_o] for r in o
+                           if r["outcome"] == "ok")
+        mean_ok_hm = all(r["mean_ok"] for r in warm_h if r["mean_ok"] is not None)
+        res_ours = {"total_s": _stats(ours_total) if ours_total else None,
+                    "exchange_s": _stats(ours_stream) if ours_stream else None,
+                    "ok_repeats": len(ok_reps), "repeats": repeats, "mean_correct": mean_ok_ours,
+                    "outcomes": [[r["outcome"] + (f":{r['reason']}" if r["reason"] else "") for r in o]
+                                 for o in rows["ours"]],
+                    "sent_bytes_per_worker": ok_reps[0][0]["sent_bytes"] if ok_reps else None,
+                    "warmup_total_s": max(r["total_s"] for r in warm_o)}
+        res_hm = {"total_s": _stats(hm_total) if hm_total else None,
+                  "allreduce_s": _stats(hm_ar) if hm_ar else None,
+                  "matchmaking_s_before_trigger": _stats([max(r["matchmaking_s"] for r in a)
+                                                          for a in hm_ar_ok]) if hm_ar_ok else None,
+                  "ok_repeats": len(hm_ok), "repeats": repeats, "mean_correct": mean_ok_hm,
+                  "warmup_total_s": max(r["total_s"] for r in warm_h)}
+        med = lambda d, k: d[k]["median"] if d.get(k) else None  # noqa: E731
+        o_t, o_s, h_t, h_a = med(res_ours, "total_s"), med(res_ours, "exchange_s"), \
+            med(res_hm, "total_s"), med(res_hm, "allreduce_s")
+        summary = {
+            "exchange_speedup_vs_hivemind_averager": (h_t / o_t) if o_t and h_t else None,
+            "ours_total_s": o_t, "hivemind_total_s": h_t,
+            "ours_stream_s": o_s, "hivemind_allreduce_only_s": h_a,
+            "speedup_transfer_only": (h_a / o_s) if o_s and h_a else None,
+            "ours_effective_MBps": nbytes / 1e6 / o_t if o_t else None,
+            "hivemind_effective_MBps": nbytes / 1e6 / h_t if h_t else None,
+            "model_bytes": nbytes, "repeats": repeats,
+            "means_correct": bool(mean_ok_ours and mean_ok_hm),
+            "note": ("medians after one warm-up; total = one complete exchange incl. matchmaking "
+                     "(ours: DHT roster + pairing; hivemind: min_matchmaking_time "
+                     f"{mm_time}s); headline = hivemind total / ours total; measured on 127.0.0.1 "
+                     "with no emulated latency/bandwidth"),
+        }
+        try:
+            load = os.getloadavg()
+        except OSError:
+            load = None
+        return {"benchmark": "exchange_speed", "summary": summary, "ours": res_ours,
+                "hivemind": res_hm,
+                "config": {"quick": self.quick, "n_tensors": n_tensors, "tensor_mib": self.tensor_mib,
+                           "model_mib": nbytes / MiB, "timeout_s": timeout,
+                           "hivemind_min_matchmaking_time": mm_time,
+                           "hivemind_request_timeout": self.req_timeout, "ours_poll_interval_s": 0.25,
+                           "torch_threads": self.threads, "loadavg": load, "cpus": os.cpu_count()},
+                "wall_s": round(time.perf_counter() - t_start, 2),
+                "startup_s": round(t_start - self.t_launch, 2)}
+
+
+def run_exchange_bench(quick: bool = True, repeats: int | None = None, n_tensors: int = N_TENSORS,
+                       tensor_mib: float = TENSOR_MIB, timeout: float = 60.0,
+                       mm_time: float = 1.0, req_timeout: float = 0.5, threads: int = 1,
+                       log=print) -> dict[str, Any]:
+    """Run both exchanges; returns {"summary": {...}, "ours": ..., "hivemind": ..., "config"}."""
+    return ExchangeBench(quick, repeats, n_tensors, tensor_mib, timeout, mm_time, req_timeout,
+                         threads, log).measure()
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,9 @@ modelled:
   max_round_skew it pairs with one of them at once (same round preferred, else uniformly at
   random among the candidates; seeded): both finish at max(arrivals) + pair transfer time.
   Otherwise it waits up to ``round_timeout`` and then takes the solo step. Tied consensus, so
-  only theta is averaged.
+  only theta is averaged. (optimizers/exchange.py as written pairs only workers of the SAME
+  round, from that round's roster; a timing-only variant with max_round_skew = 0 is reported
+  as ``blocked_s_same_round_only`` / ``blocked_ratio_same_round_only_per_W``.)
 * **DiLoCo schedule** (heavy-ball, eta 0.7, mu 0.3 as in the spec's defaults, but with the SAME H
   as NoLoCo so both take equal inner steps per outer round; the spec's heavy-ball H is 100): a
   global barrier every round; every worker's round ends at max(arrivals) + all-reduce time.
@@ -75,7 +77,7 @@ MiB = 1 << 20
 METHODS = ("noloco", "diloco", "local")
 QUICK = dict(W=(4, 8, 16), steps=120, H=20, d_model=32, n_layers=1, n_heads=2, seq_len=64,
              batch_size=8, eval_batches=4, eval_every_rounds=2, max_train_bytes=1_000_000,
-             warmup=20, local_W=(16,))
+             warmup=20, local_W=(4,))
 FULL = dict(W=(4, 8, 16), steps=1000, H=50, d_model=64, n_layers=2, n_heads=4, seq_len=128,
             batch_size=16, eval_batches=8, eval_every_rounds=2, max_train_bytes=8_000_000,
             warmup=100, local_W=(4, 8, 16))
@@ -177,6 +179,16 @@ def schedule_local(dur: Sequence[Sequence[float]]) -> Schedule:
     return sched
 
 
+def pick_partner(waiting: dict[int, tuple[int, float]], r: int, max_round_skew: int,
+                 rng: random.Random) -> int | None:
+    """Partner for a worker arriving at round r among `waiting` {worker: (round, arrival)}:
+    only |round - r| <= max_round_skew; the same round preferred; else uniform at random."""
+    cands = sorted(p for p, (pr, _) in waiting.items() if abs(pr - r) <= max_round_skew)
+    same = [p for p in cands if waiting[p][0] == r]
+    pool = same or cands
+    return pool[rng.randrange(len(pool))] if pool else None
+
+
 def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int], float],
                     round_timeout: float, max_round_skew: int = 2, seed: int = 0,
                     match_overhead_s: float = 0.0) -> Schedule:
@@ -186,7 +198,7 @@ def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int],
     (kind 1) at the same instant, so a partner arriving exactly at the deadline still pairs.
     On arrival a worker pairs with a waiting worker within `max_round_skew` rounds, preferring
     the same round, uniformly at random among candidates (seeded `random.Random`)."""
-    W, R = len(dur), len(dur[0])
+    W = len(dur)
     rng = random.Random(f"pairing:{seed}:{W}")
     sched = Schedule("noloco")
     heap: list[tuple[float, int, int, int]] = []   # (time, kind, worker, round)
@@ -197,7 +209,7 @@ def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int],
     def finish_round(w: int, r: int, arrival: float, end: float, group: list[int],
                      outcome: str, pr: int | None) -> None:
         sched.records.append(RoundRecord(w, r, arrival, end, end - arrival, group, outcome, pr))
-        if r < R:
+        if r < len(dur[w]):                         # rounds per worker (equal in benchmarks)
             heapq.heappush(heap, (end + dur[w][r], 0, w, r + 1))
 
     while heap:
@@ -208,14 +220,11 @@ def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int],
                 sched.events.append((t, [(w, r)], "solo"))
                 finish_round(w, r, arrival, t, [w], "solo", None)
             continue
-        cands = sorted(p for p, (pr, _) in waiting.items() if abs(pr - r) <= max_round_skew)
-        same = [p for p in cands if waiting[p][0] == r]
-        pool = same or cands
-        if not pool:
+        p = pick_partner(waiting, r, max_round_skew, rng)
+        if p is None:
             waiting[w] = (r, t)
             heapq.heappush(heap, (t + round_timeout, 1, w, r))
             continue
-        p = pool[rng.randrange(len(pool))]
         pr, p_arrival = waiting.pop(p)
         end = t + match_overhead_s + pair_s(w, p)   # t = max(arrivals): p was already waiting
         grp = sorted([w, p])
@@ -403,7 +412,7 @@ def run_sim(quick: bool = True, W: Sequence[int] | None = None, methods: Sequenc
     """Run the simulation; returns a JSON-able dict with `summary`, `per_W` and `runs`.
 
     quick=True: W 4/8/16, 120 inner steps, H 20, d_model 32, 1 layer, seq 64, batch 8 (local-only
-    reference at W 16 only). quick=False: 1000 steps, H 50, d 64, 2 layers, seq 128, batch 16.
+    reference at W 4 only). quick=False: 1000 steps, H 50, d 64, 2 layers, seq 128, batch 16.
     train=False only builds the schedules (timing figures, no losses)."""
     import torch
 
@@ -460,6 +469,10 @@ def run_sim(quick: bool = True, W: Sequence[int] | None = None, methods: Sequenc
                 "trained_model_bytes_sent_per_worker": copies * 4 * P if P else None,
                 **info,
             }
+            if method == "noloco":   # timing-only variant: pair within the same round only
+                same, _ = build_schedule(method, w_count, rounds, H, seed, base_step_s, jitter,
+                                         timing_bytes, round_timeout, 0, match_overhead_s)
+                entry["blocked_s_same_round_only"] = blocked_stats(same)
             if method == "diloco":
                 entry["note"] = ("heavy-ball DiLoCo (0.7/0.3) at NoLoCo's H for equal inner "
                                  "steps per outer round")
@@ -495,6 +508,7 @@ def run_sim(quick: bool = True, W: Sequence[int] | None = None, methods: Sequenc
             row["blocked_ratio_steady_state"] = (
                 nl["blocked_s_steady_state"]["mean"] / dl["blocked_s_steady_state"]["mean"]
                 if dl["blocked_s_steady_state"]["mean"] > 0 else None)
+            row["blocked_mean_s_noloco_same_round_only"] = nl["blocked_s_same_round_only"]["mean"]
             row["virtual_time_end_s_noloco"] = nl["virtual_time_end_s"]
             row["virtual_time_end_s_diloco"] = dl["virtual_time_end_s"]
             if train:
@@ -522,6 +536,10 @@ def run_sim(quick: bool = True, W: Sequence[int] | None = None, methods: Sequenc
         "blocked_mean_s_per_W": {
             m: {str(w): get(m, w)["blocked_s"]["mean"] for w in W_list if get(m, w)}
             for m in ("noloco", "diloco") if m in methods},
+        "blocked_ratio_same_round_only_per_W": {
+            str(w): (get("noloco", w)["blocked_s_same_round_only"]["mean"]
+                     / get("diloco", w)["blocked_s"]["mean"])
+            for w in W_list if get("noloco", w) and get("diloco", w)},
         "blocked_growth": {
             m: _growth({w: get(m, w)["blocked_s"]["mean"] for w in W_list if get(m, w)})
             for m in ("noloco", "diloco") if m in methods},

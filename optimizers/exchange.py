@@ -45,13 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from node.netem import LinkEmulator
 from optimizers import exchange_wire as W
 from optimizers.roster import RosterEntry, publish_entry, read_roster
 from protocol import noloco_pb2_grpc
-from protocol.codec import DEFAULT_CHUNK_BYTES, ChunkView, TensorAssembler, TensorRejected, check_finite
+from protocol.codec import DEFAULT_CHUNK_BYTES, ChunkView, TensorAssembler, TensorRejected
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from security.keys import public_key_of
 
@@ -130,15 +131,54 @@ def _remaining(deadline: float) -> float:
     return deadline - asyncio.get_running_loop().time()
 
 
-def _mean(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Elementwise mean; ``parts`` in ascending peer-ID order so every member sums alike."""
-    out = []
+_BLOCK = 1 << 18  # elements per cache-sized block; torch's isfinite/add are slow here (temporaries, OMP)
+
+
+def _flat_np(t: torch.Tensor) -> np.ndarray | None:
+    try:
+        return t.detach().cpu().contiguous().reshape(-1).numpy()
+    except (TypeError, RuntimeError):  # bfloat16 and friends have no numpy dtype
+        return None
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True if a floating tensor holds no NaN/inf (blockwise numpy: one pass, no big temporaries)."""
+    a = _flat_np(t)
+    if a is None:
+        return bool(torch.isfinite(t).all())
+    return all(np.isfinite(a[s:s + _BLOCK]).all() for s in range(0, a.size, _BLOCK))
+
+
+def mean_of(parts: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], bool]:
+    """Elementwise mean of ``parts`` (give them in ascending peer-ID order: every member then sums
+    alike, left to right, and gets bitwise the same result) and whether it is all finite.
+    One blockwise pass per tensor: sum, divide by n, check finiteness."""
+    n, out, finite = len(parts), [], True
     for i in range(len(parts[0])):
-        acc = parts[0][i].clone()
-        for p in parts[1:]:
-            acc.add_(p[i])
-        out.append(acc.div_(len(parts)))
-    return out
+        xs = [p[i] for p in parts]
+        res = torch.empty(xs[0].shape, dtype=xs[0].dtype)
+        arrs, r = [_flat_np(x) for x in xs], _flat_np(res)
+        if r is None or any(a is None for a in arrs):
+            acc = xs[0].detach().clone()
+            for x in xs[1:]:
+                acc.add_(x)
+            out.append(acc.div_(n))
+            finite = finite and bool(torch.isfinite(acc).all())
+            continue
+        div = r.dtype.type(n)
+        for s in range(0, r.size, _BLOCK):
+            blk = r[s:s + _BLOCK]
+            if n == 1:
+                blk[:] = arrs[0][s:s + _BLOCK]
+            else:
+                np.add(arrs[0][s:s + _BLOCK], arrs[1][s:s + _BLOCK], out=blk)
+            for a in arrs[2:]:
+                np.add(blk, a[s:s + _BLOCK], out=blk)
+            np.divide(blk, div, out=blk)
+            if finite and not np.isfinite(blk).all():
+                finite = False
+        out.append(res)
+    return out, finite
 
 
 class OuterExchange:
@@ -365,8 +405,8 @@ class OuterExchange:
             raise _PeerError("partner_error", "the partner closed the stream early")
         return item
 
-    async def _read_tensors(self, read, deadline: float) -> tuple[list[torch.Tensor], int]:
-        """The partner's tensors in spec order (decoded, checked, finite) and their payload bytes."""
+    async def _read_tensors(self, read, deadline: float, check: bool = True) -> tuple[list[torch.Tensor], int]:
+        """The partner's tensors in spec order (decoded, checked, finite if ``check``) and their bytes."""
         asm = TensorAssembler(self._cap, self._expected, cap_key="noloco tensor specs")
         got: dict[str, torch.Tensor] = {}
         nbytes = 0
@@ -383,15 +423,33 @@ class OuterExchange:
                 nbytes += len(obj.chunk.data)
             out = asm.feed(obj)
             if out is not None:
-                check_finite(*out)
                 got[out[0]] = out[1]
-        return [got[n] for n in self._names], nbytes
+        tensors = [got[n] for n in self._names]
+        if check:
+            await self._check_finite(tensors)
+        return tensors, nbytes
+
+    async def _check_finite(self, tensors: list[torch.Tensor], whose: str = "the partner's") -> None:
+        big = sum(t.numel() * t.element_size() for t in tensors) >= (8 << 20)
+        ok = await asyncio.to_thread(lambda: all(map(all_finite, tensors))) if big else all(map(all_finite, tensors))
+        if not ok:
+            raise TensorRejected("nonfinite", f"{whose} tensors contain NaN or inf; dropped (security.md §7)")
 
     async def _mean_of(self, parts: list[tuple[str, list[torch.Tensor]]]) -> list[torch.Tensor]:
+        """Mean in ascending peer-ID order; raises TensorRejected("nonfinite") if it is not finite
+        (our own tensors are checked then, so the partner is not blamed for our NaN)."""
         ordered = [t for _, t in sorted(parts, key=lambda x: x[0])]
         if sum(W.spec_bytes(s) for s in self.specs) >= (8 << 20):
-            return await asyncio.to_thread(_mean, ordered)
-        return _mean(ordered)
+            mean, finite = await asyncio.to_thread(mean_of, ordered)
+        else:
+            mean, finite = mean_of(ordered)
+        if not finite:
+            mine = dict(parts)[self.peer_id]
+            if not all(map(all_finite, mine)):
+                raise _PeerError("local_nonfinite", "our own tensors hold NaN/inf: the role must not send them")
+            raise TensorRejected("nonfinite", "the partner's tensors contain NaN or inf (the mean is not "
+                                              "finite); dropped (security.md §7)")
+        return mean
 
     # ------------------------------------------------------------------ pair: caller side
     async def _propose(self, st: _Round, pid: str, addr: str):
@@ -429,7 +487,7 @@ class OuterExchange:
         wtask, ok, t0 = _task(writer()), False, time.perf_counter()
         try:
             async with asyncio.timeout(max(0.0, _remaining(st.deadline))):
-                theirs, recv = await self._read_tensors(call.read, st.deadline)
+                theirs, recv = await self._read_tensors(call.read, st.deadline, check=False)
                 mean = await self._mean_of([(self.peer_id, st.tensors), (pid, theirs)])
                 ok_to_ack.set_result(True)
                 kind, hdr = W.split(await self._next(call.read, st.deadline))
@@ -537,7 +595,7 @@ class OuterExchange:
 
     async def _serve_pair(self, st: _Round, pid: str, it, context, wire: bool):
         sent, recv, res, abort, t0 = 0, 0, None, None, time.perf_counter()
-        reader = _task(self._read_tensors(it.__anext__, st.deadline))
+        reader = _task(self._read_tensors(it.__anext__, st.deadline, check=False))
         try:
             yield self._hdr(wire, st, "reply", True)
             async for frame, n in W.encode_tensors(st.tensors, self._names, wire, self._pacer(pid), self._chunk):
@@ -623,8 +681,15 @@ class OuterExchange:
         if not contribs:
             st.decided.set()
             return ExchangeResult(None, 1, [], _SOLO, "closed" if self._closed else "no_partner")
-        st.mean = await self._mean_of([(self.peer_id, st.tensors), *contribs.items()])
+        try:
+            mean = await self._mean_of([(self.peer_id, st.tensors), *contribs.items()])
+        except (_PeerError, TensorRejected) as exc:  # our own NaN, or an overflow to inf
+            st.decided.set()
+            reason = exc.reason
+            log.warning("group mean of round %d is not finite (%s); every member fails this round", st.round, reason)
+            return ExchangeResult(None, 1, list(contribs), _FAILED, reason, 0, st.received)
         st.members = sorted([self.peer_id, *contribs])
+        st.mean = mean
         st.decided.set()
         futs = [st.sends[p] for p in contribs]
         done, _ = await asyncio.wait(futs, timeout=max(0.0, _remaining(st.deadline)) + GRACE_S)

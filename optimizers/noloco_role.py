@@ -33,6 +33,7 @@ from models.hf_adapter import build_from_config
 from models.llama import lm_loss
 from node.card import read_cards
 from node.config import ConfigError, format_validation_error
+from node.logs import set_context
 from node.roles import NodeContext, register
 from optimizers import checkpoint, noloco_metrics as M
 from optimizers.config import NoLoCoConfig
@@ -376,6 +377,7 @@ class NoLoCoRole:
             repeats = sum(a == b and a != () for a, b in zip(pairs, pairs[1:]))
             M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
         self.ctx.card.update(round=self.round)
+        set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,
                  extra={"event": "averaging_round_done", "round": self.round, "group_size": n, "outcome": outcome,
