@@ -70,7 +70,10 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str,
         stub = weights_pb2_grpc.WeightServiceStub(channel)
         call = stub.Fetch(weights_pb2.FetchRequest(run_id=run_id, want="phi", sender_peer_id=sender), timeout=timeout)
         try:
-            meta = dict(await call.initial_metadata())
+            meta = dict(await call.initial_metadata() or ())
+            if META_CFG not in meta:  # refused before streaming: report the server's reason
+                code = await call.code()
+                raise StateFetchError(f"state download from {addr} refused: {code.name}: {await call.details()}")
             if meta.get(META_CFG) != cfg_hash:
                 raise StateFetchError(f"peer {addr} runs cfg_hash {meta.get(META_CFG)!r}, ours is {cfg_hash!r}: "
                                       "its [noloco]/[model] settings differ; fix the config so all workers match")
