@@ -103,10 +103,16 @@ def _plot(curves: dict[str, dict[str, list[dict[str, Any]]]], W: int, path: Path
     return {"written": True, "path": str(path), "W": W}
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _table(summary: dict[str, Any], sim: dict[str, Any], ex: dict[str, Any] | None) -> str:
     lines = ["", "NoLoCo vs DiLoCo (simulated swarm: real training, MODELLED time)",
              f"{'W':>3} {'method':7} {'eval(mean)':>10} {'eval(repl)':>10} {'blocked mean':>12} "
-             f"{'p50':>6} {'p95':>6} {'end (virt s)':>12} {'MB sent/wkr':>11}"]
+             f"{'p50':>6} {'p95':>6} {'end (virt s)':>12} {'MB sent/wkr':>11}",
+             "  (eval = validation loss; blocked = virtual s per round; MB sent per worker for "
+             "the 64 MiB timing model)"]
     for run in sim["runs"]:
         b = run["blocked_s"]
         lines.append(
@@ -117,10 +123,11 @@ def _table(summary: dict[str, Any], sim: dict[str, Any], ex: dict[str, Any] | No
     if ex:
         s = ex["summary"]
         lines += ["", "One 64 MiB fp32 exchange between 2 workers on 127.0.0.1 (MEASURED, medians)",
-                  f"  ours (OuterExchange.pair_average): total {s['ours_total_s']}, stream "
-                  f"{s['ours_stream_s']}",
-                  f"  hivemind DecentralizedAverager:    total {s['hivemind_total_s']}, "
-                  f"all-reduce only {s['hivemind_allreduce_only_s']}"]
+                  f"  ours (OuterExchange.pair_average): total {_fmt(s['ours_total_s'])} s, "
+                  f"stream {_fmt(s['ours_stream_s'])} s",
+                  f"  hivemind DecentralizedAverager:    total {_fmt(s['hivemind_total_s'])} s, "
+                  f"all-reduce only {_fmt(s['hivemind_allreduce_only_s'])} s",
+                  f"  loadavg {ex['config']['loadavg']} on {ex['config']['cpus']} CPUs"]
     lines += ["", "Headline figures:"]
     for key, (op, target) in TARGETS.items():
         v = summary.get(key)

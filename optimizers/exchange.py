@@ -1,10 +1,11 @@
 """Transport of the NoLoCo/DiLoCo outer step: find a group for round r, return the exact mean.
 
 Owns group formation through the DHT roster (``optimizers/roster.py``) and the tensor
-exchange over our own gRPC (``protocol/noloco.proto``, frames from ``exchange_wire.py``).
-It does not own the optimizer math (the role hands tensors in and gets means back) nor the
-gRPC server (the role registers ``add_exchange_to_server(ex.servicer(), server)``, or the
-slower generated ``noloco_pb2_grpc.add_NoLoCoServicer_to_server``; both work).
+exchange over our own gRPC (``protocol/noloco.proto``). Frames, the mean and shared types are
+in ``exchange_common.py``, the DiLoCo root/member side in ``exchange_group.py``. It does not own
+the optimizer math (the role hands tensors in and gets means back) nor the gRPC server: the
+role registers ``add_exchange_to_server(ex.servicer(), server)`` (zero-copy frames; use this)
+or the generated ``noloco_pb2_grpc.add_NoLoCoServicer_to_server`` (protobuf frames, slower).
 
 pair_average (NoLoCo, k=2; no global barrier):
   1. mark WAITING(r) (the servicer now accepts proposals for r), publish a RosterEntry;
@@ -15,23 +16,22 @@ pair_average (NoLoCo, k=2; no global barrier):
      only if WAITING(r), in pair mode and unmatched, and marks itself MATCHED. Proposals only
      go up in peer-ID order, so lock waits cannot form a cycle. A worker matched by an incoming
      proposal stops proposing. Refusals "matched", "other_round", "stale", errors: final for
-     that candidate this round. No candidate: sleep ``poll_interval_s``, re-read;
+     that candidate this round. No candidate: sleep ``poll_interval_s``, re-read. Any two
+     unmatched waiting workers eventually meet (the lower one tries the higher), so with enough
+     time the pairing is maximal: an even number of waiting workers all pair;
   3. both sides stream their tensors at once (4 MiB chunks, netem pacer on send), decode the
-     other's with TensorAssembler (expected = specs, cap = spec size), check finiteness, compute
-     ``(lower + higher) / 2`` themselves (ascending peer-ID order: bitwise equal on both sides),
-     send "done"(accepted) and count the round ok only after the partner's "done"(accepted);
+     other's with TensorAssembler (expected = specs, cap = largest spec), compute
+     ``(lower + higher) / 2`` themselves (ascending peer-ID order: bitwise equal on both sides)
+     in one blockwise pass that also checks finiteness (NaN/inf -> "nonfinite"), then send
+     "done"(accepted); a side returns ok only after the partner's "done"(accepted);
   4. anything else (refusal, stream error, digest, NaN, deadline) -> solo/failed, mean None.
-group_average (DiLoCo, everyone): publish, wait until the roster has ``expected`` entries or
-  timeout/2; root = lowest peer ID seen. Members send mode "gather" (tensors, half-close) and
-  get the mean back. The root takes contributions until it has expected-1, or every member it
-  has seen in the roster (re-read while waiting), or 0.75*timeout; then it averages itself +
-  contributions (ascending peer ID), streams the mean to each contributor and returns. Late or
-  refused members (a non-root answers "not_root:<root>", followed once per try) fail: the role
-  takes a solo step and re-fetches phi.
-Every await is bounded by the call's deadline; results carry n, partners, bytes, blocked_s.
-Headers are validated (run, cfg_hash, specs, sender peer ID, round skew, order); refusals that
-indicate a bad or misconfigured peer call ``on_reject(reason)``. The channel is unauthenticated:
-``sender`` is a claim, checked for form only.
+group_average (DiLoCo, everyone): see ``exchange_group.py``. Root = lowest peer ID in the
+  roster once it has ``expected`` entries or timeout/2 passed; members stream to the root and
+  read back the one mean it computed; failures -> "failed" (the role re-fetches phi).
+Every await is bounded by the call's deadline (+1 s grace for an exchange in flight). Headers
+are validated (run, cfg_hash, spec hash, sender peer ID, round skew, order); refusals that mark
+a bad or misconfigured peer (COUNTED) and rejected tensors call ``on_reject(reason)``. The
+channel is unauthenticated (no TLS): ``sender`` is a claim, checked for form only.
 """
 
 from __future__ import annotations
@@ -41,15 +41,16 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 import torch
 
 from node.netem import LinkEmulator
-from optimizers import exchange_wire as W
+from optimizers import exchange_common as C
+from optimizers.exchange_common import (COUNTED, GRACE_S, HANDSHAKE_S, IDLE_S, LOCK_WAIT_S, METHOD, OPEN_WAIT_S,
+                                         RETRY, SERVICE, ExchangeResult)
+from optimizers.exchange_group import GroupMixin
 from optimizers.roster import RosterEntry, publish_entry, read_roster
 from protocol import noloco_pb2_grpc
 from protocol.codec import DEFAULT_CHUNK_BYTES, ChunkView, TensorAssembler, TensorRejected
@@ -60,128 +61,9 @@ __all__ = ["ExchangeResult", "OuterExchange", "NoLoCoServicer", "add_exchange_to
 
 log = logging.getLogger("swarmnode.noloco.exchange")
 
-SERVICE = "swarmnode.NoLoCo"
-METHOD = f"/{SERVICE}/Exchange"
-LOCK_WAIT_S = 0.5        # callee waits this long for its match lock, then answers "busy"
-HANDSHAKE_S = 3.5        # caller waits this long for the reply header (> LOCK_WAIT_S)
-OPEN_WAIT_S = 5.0        # a server waits this long for the "open" header
-IDLE_S = 15.0            # longest gap between two frames of a stream
-GRACE_S = 1.0            # extra wait for an exchange already in flight at the deadline
-RETRY = frozenset({"busy"})
-COUNTED = frozenset({"run", "cfg_hash", "specs", "sender", "order", "mode", "stale", "future", "malformed"})
-_OK, _SOLO, _FAILED = "ok", "solo", "failed"
 
 
-@dataclass
-class ExchangeResult:
-    mean: list[torch.Tensor] | None
-    n: int
-    partners: list[str]
-    outcome: str                 # "ok" | "solo" | "failed"
-    reason: str = ""             # "" | no_partner | timeout | partner_error | nonfinite | rejected | ...
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    blocked_s: float = 0.0
-    exchange_s: float = 0.0      # time spent streaming once the group was formed (0 if never)
-
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, reason: str, detail: str):
-        super().__init__(detail)
-        self.code, self.reason, self.detail = code, reason, detail
-
-
-class _PeerError(Exception):
-    """The partner's stream ended, failed or refused mid-way (``reason`` is for the result)."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason = reason
-
-
-@dataclass(eq=False)
-class _Round:
-    round: int
-    mode: str                                   # "pair" | "group"
-    tensors: list[torch.Tensor]
-    deadline: float                             # loop.time()
-    collect_end: float = 0.0
-    matched: str | None = None
-    closed: bool = False                        # no more accepts (solo decided / closing)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    incoming: asyncio.Future | None = None      # result of an exchange served by the handler
-    root: str | None = None                     # group: decided root
-    contribs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    arriving: set[str] = field(default_factory=set)
-    decided: asyncio.Event = field(default_factory=asyncio.Event)
-    mean: list[torch.Tensor] | None = None
-    members: list[str] = field(default_factory=list)
-    sends: dict[str, asyncio.Future] = field(default_factory=dict)
-    received: int = 0
-
-
-def _task(coro) -> asyncio.Task:
-    """A task whose exception is always retrieved (no 'never retrieved' noise after a cancel)."""
-    t = asyncio.ensure_future(coro)
-    t.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return t
-
-
-def _remaining(deadline: float) -> float:
-    return deadline - asyncio.get_running_loop().time()
-
-
-_BLOCK = 1 << 18  # elements per cache-sized block; torch's isfinite/add are slow here (temporaries, OMP)
-
-
-def _flat_np(t: torch.Tensor) -> np.ndarray | None:
-    try:
-        return t.detach().cpu().contiguous().reshape(-1).numpy()
-    except (TypeError, RuntimeError):  # bfloat16 and friends have no numpy dtype
-        return None
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """True if a floating tensor holds no NaN/inf (blockwise numpy: one pass, no big temporaries)."""
-    a = _flat_np(t)
-    if a is None:
-        return bool(torch.isfinite(t).all())
-    return all(np.isfinite(a[s:s + _BLOCK]).all() for s in range(0, a.size, _BLOCK))
-
-
-def mean_of(parts: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], bool]:
-    """Elementwise mean of ``parts`` (give them in ascending peer-ID order: every member then sums
-    alike, left to right, and gets bitwise the same result) and whether it is all finite.
-    One blockwise pass per tensor: sum, divide by n, check finiteness."""
-    n, out, finite = len(parts), [], True
-    for i in range(len(parts[0])):
-        xs = [p[i] for p in parts]
-        res = torch.empty(xs[0].shape, dtype=xs[0].dtype)
-        arrs, r = [_flat_np(x) for x in xs], _flat_np(res)
-        if r is None or any(a is None for a in arrs):
-            acc = xs[0].detach().clone()
-            for x in xs[1:]:
-                acc.add_(x)
-            out.append(acc.div_(n))
-            finite = finite and bool(torch.isfinite(acc).all())
-            continue
-        div = r.dtype.type(n)
-        for s in range(0, r.size, _BLOCK):
-            blk = r[s:s + _BLOCK]
-            if n == 1:
-                blk[:] = arrs[0][s:s + _BLOCK]
-            else:
-                np.add(arrs[0][s:s + _BLOCK], arrs[1][s:s + _BLOCK], out=blk)
-            for a in arrs[2:]:
-                np.add(blk, a[s:s + _BLOCK], out=blk)
-            np.divide(blk, div, out=blk)
-            if finite and not np.isfinite(blk).all():
-                finite = False
-        out.append(res)
-    return out, finite
-
-
-class OuterExchange:
+class OuterExchange(GroupMixin):
     """One per worker. ``pair_average`` / ``group_average`` one call at a time; see module doc."""
 
     def __init__(self, *, run_id: str, peer_id: str, cfg_hash: str, grpc_addr: str, dht: Any,
@@ -192,7 +74,7 @@ class OuterExchange:
         public_key_of(peer_id)  # raises for a non-Ed25519 peer ID
         if not specs:
             raise ValueError("OuterExchange needs at least one tensor spec")
-        self.specs: list[W.Spec] = [(n, d, tuple(int(x) for x in s)) for n, d, s in specs]
+        self.specs: list[C.Spec] = [(n, d, tuple(int(x) for x in s)) for n, d, s in specs]
         names = [s[0] for s in self.specs]
         if len(set(names)) != len(names):
             raise ValueError(f"tensor spec names must be unique: {names[:8]}...")
@@ -204,14 +86,14 @@ class OuterExchange:
         self.poll_interval_s, self.on_reject = float(poll_interval_s), on_reject
         self._names = names
         self._expected = {n: (d, s) for n, d, s in self.specs}
-        self._cap = max(W.spec_bytes(s) for s in self.specs)
-        self._spec_hash = W.spec_hash(self.specs)
+        self._cap = max(C.spec_bytes(s) for s in self.specs)
+        self._spec_hash = C.spec_hash(self.specs)
         self._chan_opts = channel_options(max_message_bytes)
         self._chunk = min(DEFAULT_CHUNK_BYTES, max_message_bytes - 4096)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._addrs: dict[str, str] = {}
         self._lock = asyncio.Lock()
-        self._state: _Round | None = None
+        self._state: C.Round | None = None
         self._last_round: int | None = None
         self._closed = False
         self._bg: set[asyncio.Task] = set()  # roster publishes finishing in the background
@@ -224,15 +106,15 @@ class OuterExchange:
         """NoLoCo k=2: average with one random partner waiting for the same round, or go solo."""
         t0, st, publish = await self._enter(round, "pair", tensors, timeout)
         if st is None:
-            return self._done(t0, None, ExchangeResult(None, 1, [], _SOLO, "closed"))
+            return self._done(t0, None, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         rng, tried, seen = random.Random(f"{round}:{self.peer_id}"), set(), False
         res: ExchangeResult | None = None
         try:
-            while res is None and st.matched is None and not st.closed and _remaining(st.deadline) > 0:
+            while res is None and st.matched is None and not st.closed and C.remaining(st.deadline) > 0:
                 roster = await self._roster(st)
                 seen = seen or bool(roster)
                 cands = sorted(p for p in roster if p > self.peer_id and p not in tried)
-                while cands and res is None and _remaining(st.deadline) > 0:
+                while cands and res is None and C.remaining(st.deadline) > 0:
                     pid = rng.choice(cands)
                     cands.remove(pid)
                     async with self._lock:
@@ -253,13 +135,13 @@ class OuterExchange:
                         st.closed = True
                 if st.matched is None:
                     why = "closed" if self._closed else ("timeout" if seen else "no_partner")
-                    res = ExchangeResult(None, 1, [], _SOLO, why)
+                    res = C.ExchangeResult(None, 1, [], C.SOLO, why)
                 else:  # matched by an incoming proposal: its handler produces the result
                     try:
                         res = await asyncio.wait_for(asyncio.shield(st.incoming),
-                                                     max(0.0, _remaining(st.deadline)) + GRACE_S)
+                                                     max(0.0, C.remaining(st.deadline)) + GRACE_S)
                     except asyncio.TimeoutError:
-                        res = ExchangeResult(None, 1, [st.matched], _FAILED, "timeout")
+                        res = C.ExchangeResult(None, 1, [st.matched], C.FAILED, "timeout")
         finally:
             st.closed = True
         return self._done(t0, publish, res)
@@ -269,7 +151,7 @@ class OuterExchange:
         """DiLoCo: exact mean over every worker of round r (root = lowest peer ID); see module doc."""
         t0, st, publish = await self._enter(round, "group", tensors, timeout)
         if st is None:
-            return self._done(t0, None, ExchangeResult(None, 1, [], _SOLO, "closed"))
+            return self._done(t0, None, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         loop = asyncio.get_running_loop()
         st.collect_end = loop.time() + 0.75 * timeout
         settle = loop.time() + timeout / 2
@@ -319,13 +201,14 @@ class OuterExchange:
         if self._closed:
             return t0, None, None
         loop = asyncio.get_running_loop()
-        st = _Round(round=int(round), mode=mode, tensors=list(tensors), deadline=loop.time() + float(timeout))
+        st = C.Round(round=int(round), mode=mode, tensors=list(tensors), deadline=loop.time() + float(timeout))
         st.incoming = loop.create_future()
+        st.digests = C.task(asyncio.to_thread(C.digests, st.tensors))  # hashed while we look for partners
         self._state, self._last_round = st, int(round)
         entry = RosterEntry(round=int(round), grpc_addr=self.grpc_addr, cfg_hash=self.cfg_hash,
                             waiting_since=time.time())
         ttl = min(120.0, max(10.0, 2.0 * float(timeout)))
-        publish = _task(publish_entry(self.dht, self.run_id, self.peer_id, entry, ttl,
+        publish = C.task(publish_entry(self.dht, self.run_id, self.peer_id, entry, ttl,
                                       timeout=max(1.0, min(10.0, float(timeout)))))
         self._bg.add(publish)
         publish.add_done_callback(self._bg.discard)
@@ -334,21 +217,21 @@ class OuterExchange:
     def _done(self, t0: float, publish: asyncio.Task | None, res: ExchangeResult) -> ExchangeResult:
         self._state = None
         res.blocked_s = time.perf_counter() - t0
-        if res.outcome != _OK:
+        if res.outcome != C.OK:
             log.info("outer exchange gave no mean: %s (%s); the role takes a solo step", res.outcome, res.reason,
                      extra={"event": "exchange_solo", "outcome": res.outcome, "reason": res.reason})
         return res
 
-    async def _sleep(self, st: _Round, s: float) -> None:
+    async def _sleep(self, st: C.Round, s: float) -> None:
         st.wake.clear()
         try:
-            await asyncio.wait_for(st.wake.wait(), max(0.0, min(s, _remaining(st.deadline))))
+            await asyncio.wait_for(st.wake.wait(), max(0.0, min(s, C.remaining(st.deadline))))
         except asyncio.TimeoutError:
             pass
 
-    async def _roster(self, st: _Round) -> dict[str, RosterEntry]:
+    async def _roster(self, st: C.Round) -> dict[str, RosterEntry]:
         """Other workers of this round with our cfg_hash; {} on DHT errors (we poll again)."""
-        left = _remaining(st.deadline)
+        left = C.remaining(st.deadline)
         if left <= 0:
             return {}
         try:
@@ -380,29 +263,29 @@ class OuterExchange:
             ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=self._chan_opts)
         return ch
 
-    def _open_call(self, addr: str, st: _Round):
-        method = self._channel(addr).stream_stream(METHOD, request_serializer=W.serialize,
-                                                   response_deserializer=W.parse_wire)
-        return method(timeout=max(0.05, _remaining(st.deadline)))
+    def _open_call(self, addr: str, st: C.Round):
+        method = self._channel(addr).stream_stream(METHOD, request_serializer=C.serialize,
+                                                   response_deserializer=C.parse_wire)
+        return method(timeout=max(0.05, C.remaining(st.deadline)))
 
-    def _hdr(self, wire: bool, st: _Round | None, stage: str, accepted: bool = True, reason: str = "",
+    def _hdr(self, wire: bool, st: C.Round | None, stage: str, accepted: bool = True, reason: str = "",
              mode: str = "pair", **extra):
-        return W.header_frame(wire, run_id=self.run_id, round=st.round if st else (self._last_round or 0),
+        return C.header_frame(wire, run_id=self.run_id, round=st.round if st else (self._last_round or 0),
                               sender=self.peer_id, cfg_hash=self.cfg_hash, n_tensors=len(self.specs),
                               mode=mode, accepted=accepted, reason=reason, spec_hash=self._spec_hash,
                               stage=stage, **extra)
 
     async def _next(self, read, deadline: float):
-        """Next frame from ``read()`` within the idle/deadline bound; raises _PeerError at EOF."""
+        """Next frame from ``read()`` within the idle/deadline bound; raises C.PeerError at EOF."""
         try:
-            item = await asyncio.wait_for(read(), max(0.01, min(IDLE_S, _remaining(deadline))))
+            item = await asyncio.wait_for(read(), max(0.01, min(IDLE_S, C.remaining(deadline))))
         except (StopAsyncIteration, asyncio.TimeoutError) as exc:
-            raise _PeerError("timeout" if isinstance(exc, asyncio.TimeoutError) else "partner_error",
+            raise C.PeerError("timeout" if isinstance(exc, asyncio.TimeoutError) else "partner_error",
                              "the partner's stream ended or stalled") from None
         except grpc.aio.AioRpcError as exc:
-            raise _PeerError("partner_error", f"{exc.code().name}: {exc.details()}") from None
+            raise C.PeerError("partner_error", f"{exc.code().name}: {exc.details()}") from None
         if item is grpc.aio.EOF:
-            raise _PeerError("partner_error", "the partner closed the stream early")
+            raise C.PeerError("partner_error", "the partner closed the stream early")
         return item
 
     async def _read_tensors(self, read, deadline: float, check: bool = True) -> tuple[list[torch.Tensor], int]:
@@ -411,9 +294,9 @@ class OuterExchange:
         got: dict[str, torch.Tensor] = {}
         nbytes = 0
         while len(got) < len(self.specs):
-            kind, obj = W.split(await self._next(read, deadline))
+            kind, obj = C.split(await self._next(read, deadline))
             if kind == "header":
-                raise _PeerError(f"partner_{obj.reason or 'refused'}" if not obj.accepted else "partner_error",
+                raise C.PeerError(f"partner_{obj.reason or 'refused'}" if not obj.accepted else "partner_error",
                                  f"the partner sent a header instead of tensors ({obj.reason!r})")
             if kind != "tensor":
                 raise TensorRejected("malformed", "empty ExchangeFrame; the partner speaks another protocol")
@@ -431,36 +314,39 @@ class OuterExchange:
 
     async def _check_finite(self, tensors: list[torch.Tensor], whose: str = "the partner's") -> None:
         big = sum(t.numel() * t.element_size() for t in tensors) >= (8 << 20)
-        ok = await asyncio.to_thread(lambda: all(map(all_finite, tensors))) if big else all(map(all_finite, tensors))
+        ok = await asyncio.to_thread(lambda: all(map(C.all_finite, tensors))) if big else all(map(C.all_finite, tensors))
         if not ok:
             raise TensorRejected("nonfinite", f"{whose} tensors contain NaN or inf; dropped (security.md §7)")
 
     async def _mean_of(self, parts: list[tuple[str, list[torch.Tensor]]]) -> list[torch.Tensor]:
-        """Mean in ascending peer-ID order; raises TensorRejected("nonfinite") if it is not finite
-        (our own tensors are checked then, so the partner is not blamed for our NaN)."""
-        ordered = [t for _, t in sorted(parts, key=lambda x: x[0])]
-        if sum(W.spec_bytes(s) for s in self.specs) >= (8 << 20):
-            mean, finite = await asyncio.to_thread(mean_of, ordered)
+        """Mean in ascending peer-ID order, written over a received buffer; raises
+        TensorRejected("nonfinite") if it is not finite (our own tensors are checked then, so the
+        partner is not blamed for our NaN). Received tensors are consumed."""
+        order = sorted(parts, key=lambda x: x[0])
+        ordered = [t for _, t in order]
+        owned = {i for i, (pid, _) in enumerate(order) if pid != self.peer_id}
+        if sum(C.spec_bytes(s) for s in self.specs) >= (8 << 20):
+            mean, finite = await asyncio.to_thread(C.mean_of, ordered, owned)
         else:
-            mean, finite = mean_of(ordered)
+            mean, finite = C.mean_of(ordered, owned)
         if not finite:
             mine = dict(parts)[self.peer_id]
-            if not all(map(all_finite, mine)):
-                raise _PeerError("local_nonfinite", "our own tensors hold NaN/inf: the role must not send them")
+            if not all(map(C.all_finite, mine)):
+                raise C.PeerError("local_nonfinite", "our own tensors hold NaN/inf: the role must not send them")
             raise TensorRejected("nonfinite", "the partner's tensors contain NaN or inf (the mean is not "
                                               "finite); dropped (security.md §7)")
         return mean
 
     # ------------------------------------------------------------------ pair: caller side
-    async def _propose(self, st: _Round, pid: str, addr: str):
+    async def _propose(self, st: C.Round, pid: str, addr: str):
         """Open Exchange to ``pid`` and wait for its reply -> ("accepted", call) | ("retry"|"tried", None)."""
         call = None
         try:
             call = self._open_call(addr, st)
-            wait = max(0.05, min(HANDSHAKE_S, _remaining(st.deadline)))
+            wait = max(0.05, min(HANDSHAKE_S, C.remaining(st.deadline)))
             await asyncio.wait_for(call.write(self._hdr(True, st, "open")), wait)
-            kind, hdr = W.split(await self._next(call.read, min(st.deadline, asyncio.get_running_loop().time() + wait)))
-        except (_PeerError, grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError) as exc:
+            kind, hdr = C.split(await self._next(call.read, min(st.deadline, asyncio.get_running_loop().time() + wait)))
+        except (C.PeerError, grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError) as exc:
             log.debug("proposal to %s at %s failed: %r", pid[:16], addr, exc)
             if call is not None:
                 call.cancel()
@@ -472,39 +358,40 @@ class OuterExchange:
             return ("retry" if reason in RETRY else "tried"), None
         return "accepted", call
 
-    async def _client_pair(self, st: _Round, pid: str, call) -> ExchangeResult:
+    async def _client_pair(self, st: C.Round, pid: str, call) -> ExchangeResult:
         sent, recv, ok_to_ack = 0, 0, asyncio.get_running_loop().create_future()
 
         async def writer():
             nonlocal sent
-            async for frame, n in W.encode_tensors(st.tensors, self._names, True, self._pacer(pid), self._chunk):
+            async for frame, n in C.encode_tensors(st.tensors, self._names, True, self._pacer(pid), self._chunk,
+                                                    st.digests):
                 await call.write(frame)
                 sent += n
             if await ok_to_ack:
                 await call.write(self._hdr(True, st, "done"))
                 await call.done_writing()
 
-        wtask, ok, t0 = _task(writer()), False, time.perf_counter()
+        wtask, ok, t0 = C.task(writer()), False, time.perf_counter()
         try:
-            async with asyncio.timeout(max(0.0, _remaining(st.deadline))):
+            async with asyncio.timeout(max(0.0, C.remaining(st.deadline))):
                 theirs, recv = await self._read_tensors(call.read, st.deadline, check=False)
                 mean = await self._mean_of([(self.peer_id, st.tensors), (pid, theirs)])
                 ok_to_ack.set_result(True)
-                kind, hdr = W.split(await self._next(call.read, st.deadline))
+                kind, hdr = C.split(await self._next(call.read, st.deadline))
                 await wtask
             if kind != "header" or hdr.stage != "done" or not hdr.accepted:
-                raise _PeerError("partner_refused", f"partner's done frame: {hdr}")
+                raise C.PeerError("partner_refused", f"partner's done frame: {hdr}")
             ok = True
-            return ExchangeResult(mean, 2, [pid], _OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
+            return C.ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
         except TensorRejected as exc:
             self._count(exc.reason)
             log.warning("tensors from %s rejected: %s; this round is solo", pid[:16], exc)
-            return ExchangeResult(None, 1, [pid], _FAILED, exc.reason, sent, recv)
-        except (_PeerError, grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
-            reason = exc.reason if isinstance(exc, _PeerError) else (
+            return C.ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv)
+        except (C.PeerError, grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
+            reason = exc.reason if isinstance(exc, C.PeerError) else (
                 "timeout" if isinstance(exc, asyncio.TimeoutError) else "partner_error")
             log.warning("pair exchange with %s failed (%s: %s); this round is solo", pid[:16], reason, exc)
-            return ExchangeResult(None, 1, [pid], _FAILED, reason, sent, recv)
+            return C.ExchangeResult(None, 1, [pid], C.FAILED, reason, sent, recv)
         finally:
             if not ok_to_ack.done():
                 ok_to_ack.set_result(False)
@@ -514,59 +401,59 @@ class OuterExchange:
                 call.cancel()
 
     # ------------------------------------------------------------------ server side
-    def _check_open(self, h, st: _Round | None) -> None:
-        """Raise _Refused for a header we must not serve (see ops.md §10 for the codes)."""
+    def _check_open(self, h, st: C.Round | None) -> None:
+        """Raise C.Refused for a header we must not serve (see ops.md §10 for the codes)."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if h.run_id != self.run_id:
-            raise _Refused(bad, "run", f"run {h.run_id[:40]!r} is not this node's run {self.run_id!r}")
+            raise C.Refused(bad, "run", f"run {h.run_id[:40]!r} is not this node's run {self.run_id!r}")
         if h.cfg_hash != self.cfg_hash:
-            raise _Refused(bad, "cfg_hash", f"cfg_hash {h.cfg_hash[:32]!r} != {self.cfg_hash!r}: the peers "
+            raise C.Refused(bad, "cfg_hash", f"cfg_hash {h.cfg_hash[:32]!r} != {self.cfg_hash!r}: the peers "
                                             "run different [noloco]/model configs")
         try:
             public_key_of(h.sender)
         except ValueError:
-            raise _Refused(bad, "sender", "sender is not an Ed25519 peer ID (12D3KooW...)") from None
+            raise C.Refused(bad, "sender", "sender is not an Ed25519 peer ID (12D3KooC...)") from None
         if h.mode not in ("pair", "gather"):
-            raise _Refused(bad, "mode", f"mode {h.mode[:16]!r} is not 'pair' or 'gather'")
+            raise C.Refused(bad, "mode", f"mode {h.mode[:16]!r} is not 'pair' or 'gather'")
         if h.spec_hash != self._spec_hash or h.n_tensors != len(self.specs):
-            raise _Refused(bad, "specs", f"tensor specs differ ({h.n_tensors} tensors, hash {h.spec_hash[:16]!r};"
+            raise C.Refused(bad, "specs", f"tensor specs differ ({h.n_tensors} tensors, hash {h.spec_hash[:16]!r};"
                                          f" mine {len(self.specs)}, {self._spec_hash!r})")
         mine = st.round if st is not None else self._last_round
         pre = grpc.StatusCode.FAILED_PRECONDITION
         if mine is None:
-            raise _Refused(pre, "not_waiting", "this worker has not started an outer round yet (current round: none)")
+            raise C.Refused(pre, "not_waiting", "this worker has not started an outer round yet (current round: none)")
         if h.round + self.max_round_skew < mine:
-            raise _Refused(pre, "stale", f"round {h.round} is stale; current round {mine}")
+            raise C.Refused(pre, "stale", f"round {h.round} is stale; current round {mine}")
         if h.round > mine + self.max_round_skew:
-            raise _Refused(pre, "future", f"round {h.round} is too far ahead; current round {mine}")
+            raise C.Refused(pre, "future", f"round {h.round} is too far ahead; current round {mine}")
         if st is None or st.closed or st.round != h.round:
-            raise _Refused(pre, "other_round", f"not waiting for round {h.round}; current round {mine}")
+            raise C.Refused(pre, "other_round", f"not waiting for round {h.round}; current round {mine}")
         if (h.mode == "pair") != (st.mode == "pair"):
-            raise _Refused(pre, "mode_mismatch", f"this worker is in {st.mode} mode for round {mine}")
+            raise C.Refused(pre, "mode_mismatch", f"this worker is in {st.mode} mode for round {mine}")
         if h.mode == "pair" and not h.sender < self.peer_id:
-            raise _Refused(bad, "order", "pair proposals go from the lower to the higher peer ID")
+            raise C.Refused(bad, "order", "pair proposals go from the lower to the higher peer ID")
         if h.mode == "gather":
             if st.root not in (None, self.peer_id):
-                raise _Refused(pre, f"not_root:{st.root}", f"this worker is not the root of round {mine}")
+                raise C.Refused(pre, f"not_root:{st.root}", f"this worker is not the root of round {mine}")
             if st.mean is not None:
-                raise _Refused(pre, "late", f"the mean of round {mine} is already computed")
+                raise C.Refused(pre, "late", f"the mean of round {mine} is already computed")
             if h.sender in st.arriving or h.sender in st.contribs:
-                raise _Refused(bad, "duplicate", f"{h.sender[:16]}... already contributes to round {mine}")
+                raise C.Refused(bad, "duplicate", f"{h.sender[:16]}... already contributes to round {mine}")
 
     async def serve(self, requests, context, wire: bool):
         """The Exchange handler (an async generator of response frames)."""
         it = requests.__aiter__()
         try:
-            kind, h = W.split(await self._next(it.__anext__, asyncio.get_running_loop().time() + OPEN_WAIT_S))
+            kind, h = C.split(await self._next(it.__anext__, asyncio.get_running_loop().time() + OPEN_WAIT_S))
             st = self._state
             if kind != "header" or h.stage != "open":
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "first frame must be an 'open' header")
+                raise C.Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "first frame must be an 'open' header")
             self._check_open(h, st)
             if h.mode == "pair":
                 await self._claim(st, h.sender)
-        except _PeerError:
+        except C.PeerError:
             return
-        except _Refused as r:
+        except C.Refused as r:
             if r.reason in COUNTED:
                 self._count(r.reason)
             yield self._hdr(wire, self._state, "reply", False, r.reason)
@@ -577,178 +464,58 @@ class OuterExchange:
         async for frame in gen:
             yield frame
 
-    async def _claim(self, st: _Round, sender: str) -> None:
+    async def _claim(self, st: C.Round, sender: str) -> None:
         pre = grpc.StatusCode.FAILED_PRECONDITION
         try:
             await asyncio.wait_for(self._lock.acquire(), LOCK_WAIT_S)
         except asyncio.TimeoutError:
-            raise _Refused(pre, "busy", f"busy proposing; retry (round {st.round})") from None
+            raise C.Refused(pre, "busy", f"busy proposing; retry (round {st.round})") from None
         try:
             if st.closed or self._state is not st:
-                raise _Refused(pre, "other_round", f"no longer waiting for round {st.round}")
+                raise C.Refused(pre, "other_round", f"no longer waiting for round {st.round}")
             if st.matched is not None:
-                raise _Refused(pre, "matched", f"already matched for round {st.round}")
+                raise C.Refused(pre, "matched", f"already matched for round {st.round}")
             st.matched = sender
             st.wake.set()
         finally:
             self._lock.release()
 
-    async def _serve_pair(self, st: _Round, pid: str, it, context, wire: bool):
+    async def _serve_pair(self, st: C.Round, pid: str, it, context, wire: bool):
         sent, recv, res, abort, t0 = 0, 0, None, None, time.perf_counter()
-        reader = _task(self._read_tensors(it.__anext__, st.deadline, check=False))
+        reader = C.task(self._read_tensors(it.__anext__, st.deadline, check=False))
         try:
             yield self._hdr(wire, st, "reply", True)
-            async for frame, n in W.encode_tensors(st.tensors, self._names, wire, self._pacer(pid), self._chunk):
+            async for frame, n in C.encode_tensors(st.tensors, self._names, wire, self._pacer(pid), self._chunk,
+                                                    st.digests):
                 if reader.done() and reader.exception() is not None:
                     break
                 yield frame
                 sent += n
-            async with asyncio.timeout(max(0.0, _remaining(st.deadline))):
+            async with asyncio.timeout(max(0.0, C.remaining(st.deadline))):
                 theirs, recv = await reader
                 mean = await self._mean_of([(self.peer_id, st.tensors), (pid, theirs)])
             yield self._hdr(wire, st, "done")
-            kind, hdr = W.split(await self._next(it.__anext__, st.deadline))
+            kind, hdr = C.split(await self._next(it.__anext__, st.deadline))
             if kind != "header" or hdr.stage != "done" or not hdr.accepted:
-                raise _PeerError("partner_refused", "partner did not confirm")
-            res = ExchangeResult(mean, 2, [pid], _OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
+                raise C.PeerError("partner_refused", "partner did not confirm")
+            res = C.ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
         except TensorRejected as exc:
             self._count(exc.reason)
             log.warning("tensors from %s rejected: %s; this round is solo", pid[:16], exc)
-            res = ExchangeResult(None, 1, [pid], _FAILED, exc.reason, sent, recv)
+            res = C.ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv)
             abort = (grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc.message}")
-        except (_PeerError, asyncio.TimeoutError) as exc:
-            reason = exc.reason if isinstance(exc, _PeerError) else "timeout"
+        except (C.PeerError, asyncio.TimeoutError) as exc:
+            reason = exc.reason if isinstance(exc, C.PeerError) else "timeout"
             log.warning("pair exchange with %s failed (%s); this round is solo", pid[:16], reason)
-            res = ExchangeResult(None, 1, [pid], _FAILED, reason, sent, recv)
+            res = C.ExchangeResult(None, 1, [pid], C.FAILED, reason, sent, recv)
         finally:
             reader.cancel()
             if res is None:  # cancelled by gRPC (the caller went away) or closed mid-yield
-                res = ExchangeResult(None, 1, [pid], _FAILED, "partner_error", sent, recv)
+                res = C.ExchangeResult(None, 1, [pid], C.FAILED, "partner_error", sent, recv)
             if not st.incoming.done():
                 st.incoming.set_result(res)
         if abort is not None:
             await context.abort(*abort)
-
-    async def _serve_gather(self, st: _Round, pid: str, it, context, wire: bool):
-        me, pre = self.peer_id, grpc.StatusCode.FAILED_PRECONDITION
-        st.arriving.add(pid)
-        fut = st.sends[pid] = asyncio.get_running_loop().create_future()
-        abort = None
-        try:
-            yield self._hdr(wire, st, "reply", True, mode="gather")
-            theirs, recv = await self._read_tensors(it.__anext__, st.deadline)
-            if st.root in (None, me) and st.mean is None and not st.closed:
-                st.contribs[pid] = theirs
-                st.received += recv
-                st.wake.set()
-            await asyncio.wait_for(st.decided.wait(), max(0.0, _remaining(st.deadline)))
-            if st.mean is None or pid not in st.members:
-                why = f"not_root:{st.root}" if st.root not in (None, me) else "late"
-                yield self._hdr(wire, st, "done", False, why, mode="gather")
-                abort = (pre, f"{why} (round {st.round})")
-            else:
-                sent = 0
-                async for frame, n in W.encode_tensors(st.mean, self._names, wire, self._pacer(pid), self._chunk):
-                    yield frame
-                    sent += n
-                yield self._hdr(wire, st, "done", True, mode="gather", group_size=len(st.members),
-                                members=st.members)
-                fut.set_result(sent)
-        except TensorRejected as exc:
-            self._count(exc.reason)
-            log.warning("gather contribution from %s rejected: %s", pid[:16], exc)
-            abort = (grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc.message}")
-        except (_PeerError, asyncio.TimeoutError) as exc:
-            log.warning("gather stream from %s failed: %r", pid[:16], exc)
-        finally:
-            st.arriving.discard(pid)
-            if not fut.done():
-                fut.set_result(0)
-        if abort is not None:
-            await context.abort(*abort)
-
-    # ------------------------------------------------------------------ group: root and members
-    async def _run_root(self, st: _Round, expected: int, view: dict[str, RosterEntry]) -> ExchangeResult:
-        loop = asyncio.get_running_loop()
-        seen: set[str] = set(view)
-        while loop.time() < st.collect_end and not st.closed:
-            have = set(st.contribs)
-            if len(have) + 1 >= expected or (seen and seen <= have and not st.arriving):
-                break
-            await self._sleep(st, min(self.poll_interval_s, st.collect_end - loop.time()))
-            seen |= set(await self._roster(st))
-        contribs = dict(st.contribs)
-        if not contribs:
-            st.decided.set()
-            return ExchangeResult(None, 1, [], _SOLO, "closed" if self._closed else "no_partner")
-        try:
-            mean = await self._mean_of([(self.peer_id, st.tensors), *contribs.items()])
-        except (_PeerError, TensorRejected) as exc:  # our own NaN, or an overflow to inf
-            st.decided.set()
-            reason = exc.reason
-            log.warning("group mean of round %d is not finite (%s); every member fails this round", st.round, reason)
-            return ExchangeResult(None, 1, list(contribs), _FAILED, reason, 0, st.received)
-        st.members = sorted([self.peer_id, *contribs])
-        st.mean = mean
-        st.decided.set()
-        futs = [st.sends[p] for p in contribs]
-        done, _ = await asyncio.wait(futs, timeout=max(0.0, _remaining(st.deadline)) + GRACE_S)
-        sent = sum(f.result() for f in done)
-        partners = [p for p in st.members if p != self.peer_id]
-        return ExchangeResult(st.mean, len(st.members), partners, _OK, "", sent, st.received)
-
-    async def _gather(self, st: _Round, root: str, view: dict[str, RosterEntry]) -> ExchangeResult:
-        for _ in range(3):
-            addr = self._addrs.get(root)
-            if addr is None:
-                return ExchangeResult(None, 1, [root], _FAILED, "no_root")
-            res, redirect = await self._gather_once(st, root, addr)
-            if redirect is None or redirect == self.peer_id or _remaining(st.deadline) <= 0:
-                return res
-            log.info("gather root %s says the root is %s; retrying there", root[:16], redirect[:16])
-            if redirect not in self._addrs:
-                await self._roster(st)
-            root = redirect
-        return res
-
-    async def _gather_once(self, st: _Round, root: str, addr: str) -> tuple[ExchangeResult, str | None]:
-        sent = recv = 0
-        call = None
-        try:
-            async with asyncio.timeout(max(0.0, _remaining(st.deadline))):
-                call = self._open_call(addr, st)
-                await call.write(self._hdr(True, st, "open", mode="gather"))
-                kind, hdr = W.split(await self._next(call.read, st.deadline))
-                if kind == "header" and not hdr.accepted:
-                    raise _PeerError(hdr.reason or "refused")
-                async for frame, n in W.encode_tensors(st.tensors, self._names, True, self._pacer(root), self._chunk):
-                    await call.write(frame)
-                    sent += n
-                await call.done_writing()
-                mean, recv = await self._read_tensors(call.read, st.deadline)
-                kind, hdr = W.split(await self._next(call.read, st.deadline))
-            if kind != "header" or not hdr.accepted or hdr.group_size < 2 or self.peer_id not in hdr.members:
-                raise _PeerError("partner_error", "bad gather done frame")
-            partners = [p for p in hdr.members if p != self.peer_id]
-            return ExchangeResult(mean, int(hdr.group_size), partners, _OK, "", sent, recv), None
-        except TensorRejected as exc:
-            self._count(exc.reason)
-            return ExchangeResult(None, 1, [root], _FAILED, exc.reason, sent, recv), None
-        except _PeerError as exc:
-            redirect = None
-            reason = exc.reason.removeprefix("partner_")
-            if reason.startswith("not_root:"):
-                redirect, reason = reason.split(":", 1)[1], "not_root"
-            log.warning("gather to root %s failed (%s); solo step, then re-fetch phi", root[:16], reason)
-            return ExchangeResult(None, 1, [root], _FAILED, reason, sent, recv), redirect
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
-            reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "partner_error"
-            log.warning("gather to root %s failed (%s: %r); solo step, then re-fetch phi", root[:16], reason, exc)
-            return ExchangeResult(None, 1, [root], _FAILED, reason, sent, recv), None
-        finally:
-            if call is not None and not call.done():
-                call.cancel()
-
 
 class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
     """gRPC servicer; registers with the generated ``add_NoLoCoServicer_to_server`` (protobuf
@@ -765,6 +532,6 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
 def add_exchange_to_server(servicer: NoLoCoServicer, server: grpc.aio.Server) -> None:
     """Register ``swarmnode.NoLoCo/Exchange`` with the zero-copy frame (de)serializers."""
     fast = NoLoCoServicer(servicer.exchange, wire=True)
-    handler = grpc.stream_stream_rpc_method_handler(fast.Exchange, request_deserializer=W.parse_wire,
-                                                    response_serializer=W.serialize)
+    handler = grpc.stream_stream_rpc_method_handler(fast.Exchange, request_deserializer=C.parse_wire,
+                                                    response_serializer=C.serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Exchange": handler}),))

@@ -9,5 +9,5 @@ python3 -m venv .venv
 # torch 2.13.0 CPU: the pinned range in pyproject admits it, so nothing bigger is pulled in.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test]'
-.venv/bin/python -m protocol.build
+.venv/bin/python -c "import protocol"   # generates protocol/*_pb2.py from the .proto files
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
