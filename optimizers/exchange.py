@@ -107,7 +107,7 @@ class OuterExchange(GroupMixin):
         t0, st, publish = await self._enter(round, "pair", tensors, timeout)
         if st is None:
             return self._done(t0, None, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
-        rng, tried, seen = random.Random(f"{round}:{self.peer_id}"), set(), False
+        rng, tried, seen, polls = random.Random(f"{round}:{self.peer_id}"), set(), False, 0
         res: ExchangeResult | None = None
         try:
             while res is None and st.matched is None and not st.closed and C.remaining(st.deadline) > 0:
@@ -128,7 +128,9 @@ class OuterExchange(GroupMixin):
                     elif verdict != "retry":
                         tried.add(pid)
                 if res is None and st.matched is None:
-                    await self._sleep(st, self.poll_interval_s)
+                    # partners usually arrive within moments: poll fast first, then back off
+                    await self._sleep(st, min(self.poll_interval_s, 0.02 * 2 ** polls))
+                    polls += 1
             if res is None:
                 async with self._lock:
                     if st.matched is None:

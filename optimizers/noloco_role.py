@@ -34,6 +34,7 @@ from models.llama import lm_loss
 from node.card import read_cards
 from node.config import ConfigError, format_validation_error
 from node.logs import set_context
+from node.metrics import RPC_REJECTED, TENSORS_REJECTED
 from node.roles import NodeContext, register
 from optimizers import checkpoint, noloco_metrics as M
 from optimizers.config import NoLoCoConfig
@@ -78,6 +79,17 @@ class RoleSettings(BaseModel):
     data: DataConfig
 
 
+_TENSOR_REASONS = {"nonfinite", "checksum", "shape", "dtype", "size", "truncated"}
+
+
+def _count_rejection(reason: str) -> None:
+    """Exchange input rejected: tensor problems by codec reason, header problems as stale/schema."""
+    if reason in _TENSOR_REASONS:
+        TENSORS_REJECTED.labels(reason=reason).inc()
+    else:
+        RPC_REJECTED.labels(reason="stale" if reason in ("stale", "future") else "schema").inc()
+
+
 def _param_names(model: torch.nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
@@ -116,7 +128,7 @@ class NoLoCoRole:
             run_id=ctx.config.run_id, peer_id=ctx.peer_id, cfg_hash=self.cfg_hash, grpc_addr=ctx.grpc_addr,
             dht=ctx.membership.dht, specs=ex_specs, netem=ctx.netem, max_round_skew=self.cfg.max_round_skew,
             max_message_bytes=ctx.config.grpc.max_message_bytes,
-            on_reject=lambda reason: M.SOLO_ROUNDS.labels(reason=f"rejected_{reason}").inc(0))
+            on_reject=_count_rejection)
         self.round = 0
         self.step = 0
         self._snapshot: Snapshot | None = None

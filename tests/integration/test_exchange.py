@@ -273,6 +273,7 @@ async def test_group_average_three(dhts):
             return await w.ex.group_average(r, ins[i], 10, expected=3)
 
         res = await asyncio.gather(*(go(i, w) for i, w in enumerate(ws)))
+        print("\ngroup of 3, blocked_s:", [round(x.blocked_s, 2) for x in res])
         for i, x in enumerate(res):
             assert (x.outcome, x.n) == ("ok", 3), (x.outcome, x.reason)
             assert sorted(x.partners) == sorted(w.peer_id for j, w in enumerate(ws) if j != i)
