@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import torch
+
+from protocol.varint import encode_varint, read_varint
 import xxhash
 
 from protocol import noloco_pb2, tensor_pb2
@@ -49,24 +51,8 @@ def spec_bytes(spec: Spec) -> int:
     return n * spec[1].itemsize
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
-def _read_varint(b, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    for i in range(pos, min(pos + 10, len(b))):
-        byte = b[i]
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, i + 1
-        shift += 7
-    return -1, pos
 
 
 def header_frame(wire: bool, **fields) -> bytes | noloco_pb2.ExchangeFrame:
@@ -79,10 +65,10 @@ def _chunk_frame(offset: int, part: memoryview, wire: bool) -> bytes | noloco_pb
         return noloco_pb2.ExchangeFrame(tensor=tensor_pb2.TensorFrame(
             chunk=tensor_pb2.TensorChunk(offset=offset, data=bytes(part))))
     n = len(part)
-    chunk = (b"\x08" + _varint(offset) if offset else b"") + b"\x12" + _varint(n)  # TensorChunk fields
+    chunk = (b"\x08" + encode_varint(offset) if offset else b"") + b"\x12" + encode_varint(n)  # TensorChunk fields
     tf_len = len(chunk) + n                        # TensorFrame.chunk (field 2) body
-    tf_head = b"\x12" + _varint(tf_len)
-    return b"".join((b"\x12", _varint(len(tf_head) + tf_len), tf_head, chunk, part))  # ExchangeFrame.tensor
+    tf_head = b"\x12" + encode_varint(tf_len)
+    return b"".join((b"\x12", encode_varint(len(tf_head) + tf_len), tf_head, chunk, part))  # ExchangeFrame.tensor
 
 
 def _flat_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
@@ -136,15 +122,15 @@ def parse_wire(data: bytes) -> noloco_pb2.ExchangeFrame | ChunkView:
     copy); anything else through protobuf (raises DecodeError on garbage)."""
     n = len(data)
     if n > 4 and data[0] == 0x12:
-        l1, p = _read_varint(data, 1)
+        l1, p = read_varint(data, 1)
         if l1 == n - p and p < n and data[p] == 0x12:
-            l2, p = _read_varint(data, p + 1)
+            l2, p = read_varint(data, p + 1)
             if l2 == n - p:
                 offset = 0
                 if p < n and data[p] == 0x08:
-                    offset, p = _read_varint(data, p + 1)
+                    offset, p = read_varint(data, p + 1)
                 if offset >= 0 and p < n and data[p] == 0x12:
-                    size, p = _read_varint(data, p + 1)
+                    size, p = read_varint(data, p + 1)
                     if size == n - p and size > 0:
                         return ChunkView(offset, memoryview(data)[p:])
     return noloco_pb2.ExchangeFrame.FromString(data)

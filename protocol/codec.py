@@ -52,6 +52,7 @@ import torch
 import xxhash
 
 from protocol import tensor_pb2
+from protocol.varint import encode_varint, read_varint
 
 MiB = 1 << 20
 MIN_CHUNK_BYTES = 1 * MiB
@@ -142,21 +143,14 @@ def _header(name: str, t: torch.Tensor, mv: memoryview, digest: bytes) -> tensor
         checksum=digest, checksum_alg=CHECKSUM_ALG))
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def chunk_frame_bytes(offset: int, data) -> bytes:
     """Serialized ``TensorFrame{chunk{offset, data}}`` built with a single copy of ``data``
     (protobuf would copy it into the message, then again to serialize)."""
     n = len(data)
-    inner = (b"\x08" + _varint(offset) if offset else b"") + b"\x12" + _varint(n)
-    return b"".join((b"\x12", _varint(len(inner) + n), inner, data))
+    inner = (b"\x08" + encode_varint(offset) if offset else b"") + b"\x12" + encode_varint(n)
+    return b"".join((b"\x12", encode_varint(len(inner) + n), inner, data))
 
 
 def _frames(name: str, t: torch.Tensor, mv: memoryview, digest: bytes, chunk_bytes: int,
@@ -232,15 +226,6 @@ def serialize_frame(frame: tensor_pb2.TensorFrame | bytes) -> bytes:
     return frame if isinstance(frame, bytes) else frame.SerializeToString()
 
 
-def _read_varint(b: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    for i in range(pos, min(pos + 10, len(b))):
-        byte = b[i]
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, i + 1
-        shift += 7
-    return -1, pos  # not a valid varint: caller falls back to protobuf
 
 
 def parse_frame(data: bytes) -> tensor_pb2.TensorFrame | ChunkView:
@@ -252,13 +237,13 @@ def parse_frame(data: bytes) -> tensor_pb2.TensorFrame | ChunkView:
     """
     n = len(data)
     if n and data[0] == 0x12:
-        length, pos = _read_varint(data, 1)
+        length, pos = read_varint(data, 1)
         if length == n - pos:
             offset = 0
             if pos < n and data[pos] == 0x08:
-                offset, pos = _read_varint(data, pos + 1)
+                offset, pos = read_varint(data, pos + 1)
             if offset >= 0 and pos < n and data[pos] == 0x12 and offset < 1 << 64:
-                size, pos = _read_varint(data, pos + 1)
+                size, pos = read_varint(data, pos + 1)
                 if size == n - pos and size > 0:
                     return ChunkView(offset, memoryview(data)[pos:])
     try:
