@@ -10,15 +10,6 @@ from models import DataConfig, ModelConfig, batches, build_model, eval_batches, 
 from models.corpus import _is_val, stdlib_files
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is several times faster on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def stdlib_corpus():
     return load_corpus(DataConfig(max_train_bytes=1_000_000, max_val_bytes=200_000))

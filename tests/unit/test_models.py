@@ -11,15 +11,6 @@ from models import ByteTokenizer, Llama, ModelConfig, build_model, lm_loss
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is several times faster on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _tokens(seed=0, B=2, T=16):
     return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
 
