@@ -321,7 +321,9 @@ def test_compose_env_and_configs_validate():
 
 
 def test_example_configs_use_only_known_keys():
-    allowed = set(config.NodeConfig.model_fields)
+    from node.config import NodeConfig
+
+    allowed = set(NodeConfig.model_fields)
     for toml in sorted((DEPLOY / "configs").glob("*.toml")):
         doc = tomllib.loads(toml.read_text())
         assert set(doc) <= allowed, (toml.name, set(doc) - allowed)
