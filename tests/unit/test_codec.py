@@ -175,8 +175,8 @@ def test_oversized_header_rejected_before_any_allocation(monkeypatch):
     h = tensor_pb2.TensorHeader(name="huge", dtype="uint8", shape=[1 << 40], total_bytes=1 << 40,
                                 checksum=b"\0" * 16, checksum_alg="xxh3_128")
     allocs = []
-    real_empty = torch.empty
-    monkeypatch.setattr(codec.torch, "empty", lambda *a, **k: allocs.append(a) or real_empty(*a, **k))
+    real_empty = codec.np.empty  # the receive buffer is a numpy allocation (huge pages)
+    monkeypatch.setattr(codec.np, "empty", lambda *a, **k: allocs.append(a) or real_empty(*a, **k))
     e = _reject([tensor_pb2.TensorFrame(header=h)], cap=64 * MiB)
     assert e.reason == "size" and "limits.max_state_bytes" in e.message and str(1 << 40) in e.message
     assert allocs == []
