@@ -117,10 +117,11 @@ class NoLoCoConfig(BaseModel):
 
     # ---- pairing ----------------------------------------------------------------------------
     pairing: Literal["seeded", "matchmaking"] = "seeded"
-    """How groups form. `seeded` (default): the official permutation over a roster agreed
-    through the DHT, exchange over our own gRPC (fast for pairs, paper-exact, deterministic).
-    `matchmaking`: hivemind DecentralizedAverager groups (more churn-tolerant, but pairs tend to
-    repeat; watch `swarmnode_outer_partner_repeat_ratio`)."""
+    """How groups form. `seeded` (default, the only mode the `noloco` role runs today): workers
+    of round r meet in a signed DHT roster and pair by seeded random proposals, then exchange over
+    our own gRPC (optimizers/exchange.py; no global barrier, a solo step after round_timeout).
+    `matchmaking` (hivemind DecentralizedAverager groups) is reserved: the role refuses it at start
+    until it is built. `optimizers/grouping.py` holds the official permutation for lock-step use."""
 
     matchmaking_time: float = Field(5.0, gt=0)
     """Seconds hivemind waits to assemble a group (matchmaking mode), and the roster settle time

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from models.config import DataConfig, ModelConfig
 from models.corpus import batches, eval_batches, evaluate, load_corpus
@@ -70,6 +70,13 @@ class WorkerConfig(NoLoCoConfig):
 
     join_from_peers: bool = True
     """A new worker in a run that already has trained rounds downloads a peer's state first."""
+
+    @model_validator(mode="after")
+    def _supported_pairing(self) -> "WorkerConfig":
+        if self.pairing != "seeded":
+            raise ValueError(f"pairing={self.pairing!r} is not available in this version of the noloco role; "
+                             "use pairing = \"seeded\" (the DHT roster + gRPC exchange)")
+        return self
 
 
 class RoleSettings(BaseModel):
