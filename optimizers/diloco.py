@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optimizers.noloco import _check_like, _fp32_copy
+from optimizers.noloco import _check_like, _fp32_copy, restore_phi_m
 
 __all__ = ["DiLoCoOuter", "DEFAULT_MOMENTUM"]
 
@@ -114,18 +114,8 @@ class DiLoCoOuter:
         return {"phi": [p.clone() for p in self.phi], "m": [m.clone() for m in self.m],
                 "rounds": self.rounds, "config": self.config_dict()}
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("config") != self.config_dict():
-            raise ValueError(
-                f"checkpoint outer config {state.get('config')} differs from this run's "
-                f"{self.config_dict()}; resume with the run's original outer settings")
-        _check_like("state['phi']", state["phi"], self.phi)
-        _check_like("state['m']", state["m"], self.m)
-        self.phi = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
-                    for t, p in zip(state["phi"], self.phi)]
-        self.m = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
-                  for t, p in zip(state["m"], self.m)]
+        restore_phi_m(self, state)
         self.rounds = int(state["rounds"])
 
     @torch.no_grad()

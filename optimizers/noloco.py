@@ -198,19 +198,9 @@ class NoLoCoOuter:
         return {"phi": [p.clone() for p in self.phi], "m": [m.clone() for m in self.m],
                 "config": self.config_dict()}
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore phi and m. The stored config must match this object's coefficients."""
-        if state.get("config") != self.config_dict():
-            raise ValueError(
-                f"checkpoint outer config {state.get('config')} differs from this run's "
-                f"{self.config_dict()}; resume with the run's original outer settings")
-        _check_like("state['phi']", state["phi"], self.phi)
-        _check_like("state['m']", state["m"], self.m)
-        self.phi = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
-                    for t, p in zip(state["phi"], self.phi)]
-        self.m = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
-                  for t, p in zip(state["m"], self.m)]
+        restore_phi_m(self, state)
 
 
 def make_outer(params: Sequence[Tensor], cfg: Any):
@@ -219,3 +209,19 @@ def make_outer(params: Sequence[Tensor], cfg: Any):
         return NoLoCoOuter.from_config(params, cfg)
     from optimizers.diloco import DiLoCoOuter      # diloco imports this module's helpers
     return DiLoCoOuter.from_config(params, cfg)
+
+
+@torch.no_grad()
+def restore_phi_m(outer: Any, state: dict[str, Any]) -> None:
+    """Load fp32 copies of ``state``'s phi and m into an outer optimizer (NoLoCo or DiLoCo) after
+    checking that the stored coefficients are this run's."""
+    if state.get("config") != outer.config_dict():
+        raise ValueError(
+            f"checkpoint outer config {state.get('config')} differs from this run's "
+            f"{outer.config_dict()}; resume with the run's original outer settings")
+    _check_like("state['phi']", state["phi"], outer.phi)
+    _check_like("state['m']", state["m"], outer.m)
+    outer.phi = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
+                 for t, p in zip(state["phi"], outer.phi)]
+    outer.m = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
+               for t, p in zip(state["m"], outer.m)]
