@@ -47,6 +47,7 @@ if __package__ in (None, ""):  # allow `python benchmarks/noloco_convergence.py`
 from optimizers.config import InnerConfig  # noqa: E402
 from optimizers.diloco import DiLoCoOuter  # noqa: E402
 from optimizers.grouping import groups_for_roster  # noqa: E402
+from optimizers.inner import inner_step  # noqa: E402
 from optimizers.noloco import NoLoCoOuter, copy_into, replica_spread  # noqa: E402
 from optimizers.schedule import inner_lr_scheduler  # noqa: E402
 
@@ -154,15 +155,8 @@ def _train_one(name: str, W: int, H: int, steps: int, seed: int, model_cfg, corp
         else:
             step_losses = []
             for w in range(W):
-                x, y = next(streams[w])
-                loss = lm_loss(models[w](x), y)
-                loss.backward()
-                if inner.clip_norm:
-                    torch.nn.utils.clip_grad_norm_(params[w], inner.clip_norm)
-                adams[w].step()
-                scheds[w].step()
-                adams[w].zero_grad(set_to_none=True)
-                step_losses.append(loss.item())
+                step_losses.append(inner_step(models[w], next(streams[w]), adams[w], scheds[w], params[w],
+                                              inner.clip_norm))
             train_losses.append(statistics.fmean(step_losses))
         if outers and step % H == 0:
             r = step // H

@@ -301,8 +301,9 @@ def _train(sched: Schedule, method: str, W: int, H: int, rounds: int, seed: int,
     import torch
 
     from models.corpus import batches, evaluate
-    from models.llama import build_model, lm_loss
+    from models.llama import build_model
     from optimizers.diloco import DiLoCoOuter
+    from optimizers.inner import inner_step
     from optimizers.noloco import NoLoCoOuter, copy_into, replica_spread
     from optimizers.schedule import inner_lr_scheduler
 
@@ -352,15 +353,7 @@ def _train(sched: Schedule, method: str, W: int, H: int, rounds: int, seed: int,
         assert done_rounds[w] == r - 1, (w, r, done_rounds[w])
         m = models[w]
         for _ in range(H):
-            x, y = next(streams[w])
-            loss = lm_loss(m(x), y)
-            loss.backward()
-            if inner.clip_norm:
-                torch.nn.utils.clip_grad_norm_(params[w], inner.clip_norm)
-            adams[w].step()
-            scheds[w].step()
-            adams[w].zero_grad(set_to_none=True)
-            train_loss[w].append(loss.item())
+            train_loss[w].append(inner_step(m, next(streams[w]), adams[w], scheds[w], params[w], inner.clip_norm))
 
     curve.append(evaluate_snapshot(0, {w: [p.detach().clone() for p in params[w]]
                                        for w in range(W)}))

@@ -30,16 +30,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from models.config import DataConfig, ModelConfig
 from models.corpus import batches, eval_batches, evaluate, load_corpus
 from models.hf_adapter import build_from_config
-from models.llama import lm_loss
 from node.card import read_cards
 from node.config import ConfigError, format_validation_error
 from node.logs import set_context
-from node.metrics import RPC_REJECTED, TENSORS_REJECTED
+from node.metrics import RPC_REJECTED, TENSORS_REJECTED, TRANSFER_BYTES
 from node.roles import NodeContext, register
 from optimizers import checkpoint, noloco_metrics as M
 from optimizers.config import NoLoCoConfig
 from optimizers.diloco import DiLoCoOuter
 from optimizers.exchange import OuterExchange, add_exchange_to_server
+from optimizers.inner import inner_step
 from optimizers.noloco import NoLoCoOuter, all_finite, copy_into
 from optimizers.roster import ROSTER_NAMESPACE
 from optimizers.schedule import inner_lr_scheduler
@@ -321,24 +321,17 @@ class NoLoCoRole:
             if self._stopping:  # drain: stop after the current step, the round is abandoned
                 break
             t0 = time.perf_counter()
-            x, y = next(self.train_iter)
-            loss = lm_loss(self.model(x), y)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.cfg.inner.clip_norm:
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.clip_norm)
-            self.opt.step()
-            self.sched.step()
+            batch = next(self.train_iter)
+            loss_val = inner_step(self.model, batch, self.opt, self.sched, self.params, self.cfg.inner.clip_norm)
             if self.cfg.compute_delay_s:
                 time.sleep(self.cfg.compute_delay_s)
-            loss_val = float(loss.detach())
             if self._first_loss is None:
                 self._first_loss = loss_val
                 M.TRAIN_LOSS_INITIAL.set(loss_val)
             self._last_loss = loss_val
             self.step += 1
             M.TRAIN_STEPS.inc()
-            M.TRAIN_TOKENS.inc(x.numel())
+            M.TRAIN_TOKENS.inc(batch[0].numel())
             M.TRAIN_LOSS.set(loss_val)
             M.STEP_SECONDS.observe(time.perf_counter() - t0)
             M.LAST_STEP.set(time.time())
@@ -388,6 +381,8 @@ class NoLoCoRole:
         M.BLOCKED_SECONDS.observe(res.blocked_s)
         M.SENT_BYTES.inc(res.sent_bytes)
         M.RECEIVED_BYTES.inc(res.received_bytes)
+        TRANSFER_BYTES.labels(direction="sent", kind="outer").inc(res.sent_bytes)
+        TRANSFER_BYTES.labels(direction="received", kind="outer").inc(res.received_bytes)
         M.UPDATE_NORM.set(norm)
         M.OUTER_ROUND.set(self.round)
         self._partners.append(tuple(sorted(res.partners)))
