@@ -74,7 +74,6 @@ class CardPublisher:
         self.state: State = State.JOINING
         self.details: dict[str, Any] = {}
         self._wake = asyncio.Event()
-        self.published = 0
 
     def card(self) -> NodeCard:
         return NodeCard(state=self.state.value, published_at=time.time(), details=dict(self.details), **self._base)
@@ -106,7 +105,6 @@ class CardPublisher:
             ok = False
         DHT_REQUESTS.labels(op="store", outcome="ok" if ok else "failed").inc()
         DHT_REQUEST_SECONDS.labels(op="store").observe(time.perf_counter() - t0)
-        self.published += ok
         return ok
 
     async def run(self) -> None:

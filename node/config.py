@@ -19,7 +19,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -29,7 +29,8 @@ from node.netem import NetemConfig
 from node.preemption import PreemptionConfig
 
 ENV_PREFIX = "SWARMNODE_"
-ROLES = ("bootstrap", "noloco", "stage", "grpo")
+RoleName = Literal["bootstrap", "noloco", "stage", "grpo"]
+ROLES: tuple[str, ...] = get_args(RoleName)
 
 _MADDR = re.compile(
     r"^/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp/\d{1,5}|udp/\d{1,5}/quic(-v1)?)(/p2p/[1-9A-HJ-NP-Za-km-z]{40,60})$")
@@ -150,7 +151,7 @@ class NodeConfig(BaseSettings):
     run_id: str = Field("swarmnode", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """Name of the training run; nodes only see and talk to nodes of the same run."""
 
-    role: Literal["bootstrap", "noloco", "stage", "grpo"] = "noloco"
+    role: RoleName = "noloco"
     """What this node does in the swarm."""
 
     host: str = "0.0.0.0"

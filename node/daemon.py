@@ -227,7 +227,8 @@ class Node:
 
     async def drain(self, trigger: str) -> None:
         self._drain_started = True
-        budget = self.cfg.drain.budget_s
+        # an AWS notice comes 2 minutes ahead: the role may use the longer budget to hand over work
+        budget = self.cfg.preemption.aws_drain_budget_s if trigger == "aws" else self.cfg.drain.budget_s
         t0 = time.monotonic()
         left = lambda: budget - (time.monotonic() - t0)  # noqa: E731
         await self.lifecycle.move(State.DRAINING, "draining", f"trigger: {trigger}")

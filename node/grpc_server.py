@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as AioHealthServicer
 
-from node.lifecycle import Lifecycle, State
+from node.lifecycle import State
 from node.metrics import GRPC_HANDLED, GRPC_HANDLING_SECONDS
 from protocol import node_pb2, node_pb2_grpc
 from protocol.grpc_options import server_options
@@ -152,7 +152,3 @@ class GrpcHost:
 
     async def stop(self, grace: float) -> None:
         await self.server.stop(grace)
-
-
-def follow(lifecycle: Lifecycle, host: GrpcHost) -> None:
-    lifecycle.subscribe(host.on_state)
