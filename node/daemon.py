@@ -191,9 +191,13 @@ class Node:
         self._sigint_count += 1
         if self._sigint_count >= 2:
             log.warning("second Ctrl-C: aborting without drain (exit 130)", extra={"event": "abort"})
-            if self.membership is not None:
-                self.membership.shutdown()
-            os._exit(EXIT_ABORT)
+            try:  # best effort: stop p2pd with us; a drain may be shutting it down right now
+                if self.membership is not None:
+                    self.membership.shutdown()
+            except Exception:  # noqa: BLE001 - nothing may keep the abort from exiting
+                pass
+            finally:
+                os._exit(EXIT_ABORT)
         self.request_drain("sigint")
 
     def request_drain(self, trigger: str) -> None:
