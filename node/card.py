@@ -78,9 +78,13 @@ class CardPublisher:
     def card(self) -> NodeCard:
         return NodeCard(state=self.state.value, published_at=time.time(), details=dict(self.details), **self._base)
 
-    def update(self, **details: Any) -> None:
-        """Change role details (e.g. ``round=12``); published with the next refresh."""
+    def update(self, publish: bool = False, **details: Any) -> None:
+        """Change role details (e.g. ``round=12``); published with the next refresh, or at once
+        with ``publish=True`` when peers act on the value (a NoLoCo worker's round)."""
+        changed = any(self.details.get(k) != v for k, v in details.items())
         self.details.update(details)
+        if publish and changed:
+            self._wake.set()
 
     async def on_state(self, state: State, reason: str, detail: str) -> None:
         """Lifecycle listener: re-publish at once on a state change."""

@@ -24,6 +24,9 @@ OUTER_ROUNDS = Counter("swarmnode_outer_rounds_total", "Outer rounds by outcome 
                        ["outcome"], registry=REGISTRY)
 SOLO_ROUNDS = Counter("swarmnode_outer_solo_rounds_total", "Solo outer steps by reason.", ["reason"],
                       registry=REGISTRY)
+ROUND_CATCH_UPS = Counter("swarmnode_outer_round_catch_ups_total",
+                          "Times this worker adopted a live peer's higher round label (noloco.catch_up).",
+                          registry=REGISTRY)
 GROUP_SIZE = Histogram("swarmnode_outer_group_size", "Group size of each outer step (1 = solo).",
                        buckets=(1, 2, 3, 4, 8, 16, 32, 64), registry=REGISTRY)
 BLOCKED_SECONDS = Histogram("swarmnode_outer_blocked_seconds", "Seconds the worker waited for its group per round.",

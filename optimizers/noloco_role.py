@@ -41,7 +41,7 @@ from optimizers.diloco import DiLoCoOuter
 from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.inner import inner_step
 from optimizers.noloco import NoLoCoOuter, all_finite, copy_into
-from optimizers.roster import ROSTER_NAMESPACE
+from optimizers.roster import ROSTER_NAMESPACE, frontier_round
 from optimizers.schedule import inner_lr_scheduler
 from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
 from protocol import weights_pb2_grpc
@@ -69,7 +69,14 @@ class WorkerConfig(NoLoCoConfig):
     """Extra seconds slept per inner step, to emulate a slower accelerator in experiments."""
 
     join_from_peers: bool = True
-    """A new worker in a run that already has trained rounds downloads a peer's state first."""
+    """A new worker in a run that already has trained rounds downloads a peer's state first
+    (from the most advanced live peer)."""
+
+    catch_up: bool = True
+    """Before each exchange, adopt the highest round label among live peers' node cards, so a
+    worker that fell behind (a solo round, slower hardware, a restart) meets the others again
+    instead of waiting alone in an old round. Only the label moves: no inner steps are skipped.
+    Turn it off only to study strictly lock-step round labels."""
 
     @model_validator(mode="after")
     def _supported_pairing(self) -> "WorkerConfig":
@@ -218,7 +225,7 @@ class NoLoCoRole:
 
     # ---------------- joining / resuming ----------------
     async def _fetch_from_donor(self, min_round: int) -> tuple[int, list[torch.Tensor], str] | None:
-        """(round, phi, donor) from a random READY worker of this run at round >= min_round."""
+        """(round, phi, donor) from the most advanced READY worker of this run (round >= min_round)."""
         try:
             views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
         except Exception as exc:  # noqa: BLE001 - no view of the swarm: nothing to fetch
@@ -227,7 +234,8 @@ class NoLoCoRole:
         donors = [v for v in views if v.card.role == "noloco" and v.card.state == "ready"
                   and v.peer_id != self.ctx.peer_id and v.card.details.get("cfg_hash") == self.cfg_hash
                   and int(v.card.details.get("round", 0)) >= min_round]
-        random.shuffle(donors)
+        random.shuffle(donors)  # ties in round: a random donor, so joiners spread the load
+        donors.sort(key=lambda v: -int(v.card.details.get("round", 0)))
         expected = {n: (torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)}
         for donor in donors[:3]:
             try:
@@ -352,13 +360,16 @@ class NoLoCoRole:
         loss = await asyncio.to_thread(self._inner_steps, h)
         if self._stopping:
             return
+        rnd = self.round
+        if self.cfg.outer == "noloco" and self.cfg.catch_up:
+            rnd = await self._catch_up_round()
         tensors = self.outer.exchange_tensors([p.detach() for p in self.params])
         timeout = self.cfg.round_timeout
         if self.cfg.outer == "diloco":
             expected = await self._live_workers()
-            res = await self.exchange.group_average(self.round, tensors, timeout, expected=expected)
+            res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
         else:
-            res = await self.exchange.pair_average(self.round, tensors, timeout)
+            res = await self.exchange.pair_average(rnd, tensors, timeout)
         n, theta_bar, phi_bar, outcome, reason = res.n, None, None, res.outcome, res.reason
         if res.mean is not None and n > 1 and all_finite(res.mean):
             theta_bar, phi_bar = self.outer.split_means(res.mean)
@@ -370,7 +381,7 @@ class NoLoCoRole:
                 outcome, reason = "failed", "nonfinite"
             n = 1
         norm = await asyncio.to_thread(self._outer_step, theta_bar, phi_bar, n)
-        self.round += 1
+        self.round = rnd + 1
         self._round_start_step = self.step
         self._take_snapshot()
         M.OUTER_ROUNDS.labels(outcome=outcome if n > 1 else ("solo" if outcome == "ok" else outcome)).inc()
@@ -390,7 +401,7 @@ class NoLoCoRole:
         if len(pairs) > 1:
             repeats = sum(a == b and a != () for a, b in zip(pairs, pairs[1:]))
             M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
-        self.ctx.card.update(round=self.round)
+        self.ctx.card.update(round=self.round, publish=self.cfg.catch_up)
         set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,
@@ -403,6 +414,22 @@ class NoLoCoRole:
             await asyncio.to_thread(self._save_checkpoint)
         if self.cfg.outer == "diloco" and n == 1 and outcome != "ok":
             await self._resync_phi()
+
+    async def _catch_up_round(self) -> int:
+        """The round label for this exchange: ours, or the most advanced live peer's if higher
+        (see ``WorkerConfig.catch_up``). ``self.round`` moves only when the round completes."""
+        try:
+            views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id,
+                                     timeout=min(2.0, self.cfg.round_timeout / 4))
+        except Exception:  # noqa: BLE001 - no view of the swarm this round: keep our label
+            return self.round
+        target = frontier_round(views, peer_id=self.ctx.peer_id, cfg_hash=self.cfg_hash)
+        if target is None or target <= self.round:
+            return self.round
+        log.info("round label %d -> %d: the swarm is ahead", self.round, target,
+                 extra={"event": "round_catch_up", "from_round": self.round, "round": target})
+        M.ROUND_CATCH_UPS.inc()
+        return target
 
     async def _live_workers(self) -> int:
         try:

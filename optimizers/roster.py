@@ -8,19 +8,21 @@ own pairing (``optimizers/exchange.py``) nor the validator (``security/records.p
     roster_key(run_id, round) -> "<run>/noloco/roster/<round>"
     await publish_entry(dht, run_id, peer_id, RosterEntry(...), ttl_s) -> bool
     await read_roster(dht, run_id, round) -> {peer_id: RosterEntry}
+    frontier_round(card_views, peer_id=..., cfg_hash=...) -> highest live peer round or None
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from security.records import Namespace, read_entries, record_value
 
-__all__ = ["RosterEntry", "ROSTER_NAMESPACE", "ROSTER_MAX_TTL_S", "roster_key", "publish_entry", "read_roster"]
+__all__ = ["RosterEntry", "ROSTER_NAMESPACE", "ROSTER_MAX_TTL_S", "roster_key", "publish_entry", "read_roster",
+           "frontier_round"]
 
 log = logging.getLogger("swarmnode.noloco.roster")
 
@@ -81,3 +83,20 @@ async def read_roster(dht: Any, run_id: str, round: int, timeout: float = 10.0) 
         return {}
     entries = read_entries(found.value, RosterEntry, key=key, max_entries=ROSTER_MAX_ENTRIES)
     return {pid: e for pid, e in entries.items() if e.round == round}
+
+
+def frontier_round(views: Iterable[Any], *, peer_id: str, cfg_hash: str) -> int | None:
+    """The highest round on the node cards (``node.card.CardView``) of the other READY noloco
+    workers with our ``cfg_hash``; None when there is none. A worker behind it adopts it as its
+    round label so it can pair again (``noloco.catch_up``)."""
+    rounds = []
+    for v in views:
+        card = v.card
+        if v.peer_id == peer_id or card.role != "noloco" or card.state != "ready":
+            continue
+        if card.details.get("cfg_hash") != cfg_hash:
+            continue
+        r = card.details.get("round")
+        if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
+            rounds.append(r)
+    return max(rounds) if rounds else None

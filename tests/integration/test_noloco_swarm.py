@@ -90,7 +90,15 @@ def test_noloco_swarm_trains_survives_kill_and_join(tmp_path):
             blocked = [e["blocked_s"] for e in events(w, "averaging_round_done")]
             assert max(blocked) <= ROUND_TIMEOUT + 3.0, (w.name, max(blocked))
 
-        # a new worker joins mid-run from a peer's state and catches up
+        # three survivors: one is left solo each round and falls behind; it catches up with the
+        # others' round label and pairs again (without catch-up it would stay solo for good)
+        def paired_after_kill(w):
+            return [e for e in events(w, "averaging_round_done")
+                    if e["round"] > base[w.name] and e["group_size"] == 2]
+        wait_for(lambda: all(paired_after_kill(w) for w in others), 150,
+                 "a paired round on every survivor after the SIGKILL")
+
+        # a new worker joins mid-run from the most advanced peer's state and catches up
         donor_round = max(rounds_of(w) for w in others)
         joiner = swarm.start("noloco", name="joiner")
         swarm.wait_ready([joiner], timeout=180)

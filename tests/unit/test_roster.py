@@ -73,3 +73,24 @@ def test_signed_entry_round_trip_and_forgery():
     forged = _record(key, other, record_value(key, entry()), 30)
     assert not v.validate(DHTRecord(forged.key, forged.subkey, v.sign_value(forged), forged.expiration_time))
     assert msgpack.unpackb(v.sign_value(forged)) == msgpack.unpackb(forged.value)
+
+
+def _view(peer, round_, role="noloco", state="ready", cfg="abc123"):
+    from node.card import CardView, NodeCard
+    details = {"cfg_hash": cfg} if cfg is not None else {}
+    if round_ is not None:
+        details["round"] = round_
+    card = NodeCard(role=role, state=state, version="0", grpc_addr="127.0.0.1:1", started_at=0.0,
+                    published_at=0.0, details=details)
+    return CardView(peer_id=peer, card=card, expiration=0.0)
+
+
+def test_frontier_round_is_the_highest_live_compatible_peer():
+    from optimizers.roster import frontier_round
+    views = [_view("me", 99), _view("a", 7), _view("b", 12), _view("c", 40, state="draining"),
+             _view("d", 50, cfg="other"), _view("e", 60, role="bootstrap"), _view("f", None),
+             _view("g", True), _view("h", "30")]
+    # ourselves, draining nodes, other configs, other roles and malformed rounds never count
+    assert frontier_round(views, peer_id="me", cfg_hash="abc123") == 12
+    assert frontier_round(views[:1], peer_id="me", cfg_hash="abc123") is None
+    assert frontier_round([], peer_id="me", cfg_hash="abc123") is None
