@@ -5,16 +5,11 @@ receiver makes before trusting peer bytes (``security.md`` §6-7):
 
 * payload = raw little-endian bytes of an allowlisted dtype with an exact shape; never
   pickle, never ``torch.load``;
-* the header carries ``total_bytes``; an xxh3_128 digest of the payload follows the last chunk
-  in a trailer frame (the encoder hashes each chunk as it sends it, so the first byte leaves
-  at once and hashing overlaps the transfer). A header may instead carry the digest itself
-  when the sender hashed earlier (the outer exchange sends one payload to several peers);
-  then no trailer follows. blake2b runs at ~0.6 GB/s here and would cap throughput; xxh3
-  runs at ~8 GB/s;
+* the header carries ``total_bytes`` and an xxh3_128 digest of the payload (blake2b runs at
+  ~0.6 GB/s here and would cap throughput; xxh3 runs at ~8 GB/s);
 * the receiver checks dtype, shape, ``total_bytes == numel * itemsize`` and the size cap
   **before** allocating, preallocates one buffer, copies chunks in order at their offsets,
-  hashes incrementally and verifies the digest (header or trailer) before it hands out the
-  tensor.
+  hashes incrementally and verifies the digest when the last byte arrives.
 
 It is pure: no grpc import. The gRPC layer hands frames in and out (``WeightService.Fetch``
 and friends); ``pace`` hooks let the link emulator (``node/netem.py``) delay sends.
@@ -46,6 +41,7 @@ on the client use ``response_deserializer=parse_frame`` (chunks arrive as zero-c
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -65,6 +61,9 @@ DEFAULT_CHUNK_BYTES = 4 * MiB
 CHECKSUM_ALG = "xxh3_128"
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
+#: Tensors at least this large are hashed in a worker thread by ``aencode_tensors`` so the
+#: event loop stays responsive (xxhash releases the GIL).
+_THREAD_HASH_BYTES = 16 * MiB
 
 #: Wire name -> torch dtype. Anything else is rejected before allocation.
 ALLOWED_DTYPES: dict[str, torch.dtype] = {
@@ -138,11 +137,10 @@ def _payload(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     return t, memoryview(flat.numpy()).cast("B")
 
 
-def _header(name: str, t: torch.Tensor, mv: memoryview) -> tensor_pb2.TensorFrame:
-    """Header with no digest: the trailer carries it."""
+def _header(name: str, t: torch.Tensor, mv: memoryview, digest: bytes) -> tensor_pb2.TensorFrame:
     return tensor_pb2.TensorFrame(header=tensor_pb2.TensorHeader(
         name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), total_bytes=mv.nbytes,
-        checksum_alg=CHECKSUM_ALG))
+        checksum=digest, checksum_alg=CHECKSUM_ALG))
 
 
 
@@ -155,29 +153,23 @@ def chunk_frame_bytes(offset: int, data) -> bytes:
     return b"".join((b"\x12", encode_varint(len(inner) + n), inner, data))
 
 
-def _frames(name: str, t: torch.Tensor, mv: memoryview, chunk_bytes: int,
+def _frames(name: str, t: torch.Tensor, mv: memoryview, digest: bytes, chunk_bytes: int,
             wire: bool) -> Iterator[tensor_pb2.TensorFrame | bytes]:
-    """Header, chunks (each hashed just before it is yielded), trailer with the digest."""
-    header = _header(name, t, mv)
+    header = _header(name, t, mv, digest)
     yield header.SerializeToString() if wire else header
-    hasher = _HASHERS[CHECKSUM_ALG]()
     for off in range(0, mv.nbytes, chunk_bytes):
         part = mv[off:off + chunk_bytes]
-        hasher.update(part)
         if wire:
             yield chunk_frame_bytes(off, part)
         else:  # protobuf bytes fields need ``bytes``: one copy, straight from the tensor
             yield tensor_pb2.TensorFrame(chunk=tensor_pb2.TensorChunk(offset=off, data=bytes(part)))
-    trailer = tensor_pb2.TensorFrame(trailer=tensor_pb2.TensorTrailer(checksum=hasher.digest()))
-    yield trailer.SerializeToString() if wire else trailer
 
 
 # ----------------------------------------------------------------------------- encoder
 
 def encode_tensor(name: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
                   wire: bool = False) -> Iterator[tensor_pb2.TensorFrame | bytes]:
-    """Yield the header frame of ``tensor``, its payload in ``chunk_bytes`` chunks, then the
-    trailer frame with the payload's digest.
+    """Yield the header frame of ``tensor`` then its payload in ``chunk_bytes`` chunks.
 
     Non-contiguous and GPU tensors are copied to contiguous CPU memory first; 0-d tensors
     keep shape ``()``; an empty tensor is a header with ``total_bytes=0`` and no chunks.
@@ -187,7 +179,7 @@ def encode_tensor(name: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CH
     check_chunk_bytes(chunk_bytes)
     dtype_name(tensor.dtype)  # fail before doing any work
     t, mv = _payload(tensor)
-    yield from _frames(name, t, mv, chunk_bytes, wire)
+    yield from _frames(name, t, mv, xxhash.xxh3_128(mv).digest(), chunk_bytes, wire)
 
 
 def encode_tensors(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -204,15 +196,18 @@ async def aencode_tensors(named_tensors: Mapping[str, torch.Tensor] | Iterable[t
                           chunk_bytes: int = DEFAULT_CHUNK_BYTES, pace: Pace | None = None, *,
                           wire: bool = False) -> AsyncIterator[tensor_pb2.TensorFrame | bytes]:
     """Async ``encode_tensors``. ``pace(nbytes)`` is awaited with each frame's serialized size
-    before the frame is yielded (the link emulator delays here). Each chunk is hashed (~0.5 ms
-    per 4 MiB) on the event loop just before it is sent, so nothing waits for a whole-tensor
-    hash."""
+    before the frame is yielded (the link emulator delays here); large tensors are hashed in
+    a worker thread so the event loop keeps serving."""
     check_chunk_bytes(chunk_bytes)
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     for name, tensor in items:
         dtype_name(tensor.dtype)
         t, mv = _payload(tensor)
-        for frame in _frames(name, t, mv, chunk_bytes, wire):
+        if mv.nbytes >= _THREAD_HASH_BYTES:
+            digest = await asyncio.to_thread(lambda: xxhash.xxh3_128(mv).digest())
+        else:
+            digest = xxhash.xxh3_128(mv).digest()
+        for frame in _frames(name, t, mv, digest, chunk_bytes, wire):
             if pace is not None:
                 await pace(len(frame) if wire else frame.ByteSize())
             yield frame
@@ -262,7 +257,6 @@ def parse_frame(data: bytes) -> tensor_pb2.TensorFrame | ChunkView:
 
 class _Pending:
     __slots__ = ("name", "dtype", "shape", "total", "received", "buf", "buf_np", "hasher", "digest", "alg")
-    # digest == b"": the header left it to a trailer frame, awaited once ``received == total``
 
     def __init__(self, name, dtype, shape, total, digest, alg):
         self.name, self.dtype, self.shape, self.total = name, dtype, shape, total
@@ -323,9 +317,7 @@ class TensorAssembler:
                 return self._on_header(frame.header)
             if kind == "chunk":
                 return self._on_chunk(frame.chunk.offset, frame.chunk.data)
-            if kind == "trailer":
-                return self._on_trailer(frame.trailer.checksum)
-            raise TensorRejected("malformed", "frame has no header, chunk or trailer; the sender "
+            raise TensorRejected("malformed", "frame has neither header nor chunk; the sender "
                                  "speaks another protocol version: upgrade one side")
         except TensorRejected as exc:
             self._failed, self._pending = exc, None
@@ -338,11 +330,9 @@ class TensorAssembler:
         p = self._pending
         if p is not None:
             self._pending = None
-            got = (f"all {p.total} bytes but no checksum trailer" if p.received == p.total
-                   else f"{p.received} of {p.total} bytes")
             self._failed = TensorRejected(
-                "truncated", f"stream ended after {got} of tensor {p.name!r}; the sender died or the "
-                "call hit its deadline: retry from another peer")
+                "truncated", f"stream ended after {p.received} of {p.total} bytes of tensor "
+                f"{p.name!r}; the sender died or the call hit its deadline: retry from another peer")
             raise self._failed
 
     # -- internals
@@ -397,12 +387,12 @@ class TensorAssembler:
         if h.checksum_alg not in _HASHERS:
             raise TensorRejected("checksum", f"tensor {name!r} uses checksum algorithm "
                                  f"{h.checksum_alg[:40]!r}; supported: {sorted(_HASHERS)}")
-        if h.checksum and len(h.checksum) != _DIGEST_BYTES[h.checksum_alg]:
+        if len(h.checksum) != _DIGEST_BYTES[h.checksum_alg]:
             raise TensorRejected("checksum", f"tensor {name!r}: {h.checksum_alg} digest must be "
                                  f"{_DIGEST_BYTES[h.checksum_alg]} bytes, got {len(h.checksum)}")
         self._pending = _Pending(name, dtype, shape, int(h.total_bytes), bytes(h.checksum), h.checksum_alg)
         self._seen.add(name)
-        return self._complete() if h.total_bytes == 0 and h.checksum else None
+        return self._complete() if h.total_bytes == 0 else None
 
     def _on_chunk(self, offset: int, data) -> tuple[str, torch.Tensor] | None:
         p = self._pending
@@ -413,9 +403,6 @@ class TensorAssembler:
         if n == 0 or n > MAX_CHUNK_BYTES:
             raise TensorRejected("malformed", f"tensor {p.name!r}: chunk of {n} bytes; chunks must be "
                                  "1 byte..4 MiB (`grpc.chunk_bytes`)")
-        if p.received == p.total:
-            raise TensorRejected("malformed", f"tensor {p.name!r}: chunk at offset {offset} after all "
-                                 f"{p.total} bytes arrived (a checksum trailer was due); drop the stream")
         if offset != p.received:
             what = "overlaps data already received" if offset < p.received else "leaves a gap"
             raise TensorRejected("malformed", f"tensor {p.name!r}: chunk at offset {offset} {what} "
@@ -426,21 +413,7 @@ class TensorAssembler:
         p.buf_np[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
         p.hasher.update(data)
         p.received += n
-        return self._complete() if p.received == p.total and p.digest else None
-
-    def _on_trailer(self, digest: bytes) -> tuple[str, torch.Tensor]:
-        p = self._pending
-        if p is None or p.digest or p.received != p.total:
-            where = ("with no tensor open" if p is None else
-                     f"for tensor {p.name!r} whose header carried the digest" if p.digest else
-                     f"after {p.received} of {p.total} bytes of tensor {p.name!r}")
-            raise TensorRejected("malformed", f"checksum trailer {where}; the sender is broken: "
-                                 "drop the stream")
-        if len(digest) != _DIGEST_BYTES[p.alg]:
-            raise TensorRejected("checksum", f"tensor {p.name!r}: {p.alg} digest must be "
-                                 f"{_DIGEST_BYTES[p.alg]} bytes, got {len(digest)}")
-        p.digest = bytes(digest)
-        return self._complete()
+        return self._complete() if p.received == p.total else None
 
     def _complete(self) -> tuple[str, torch.Tensor]:
         p, self._pending = self._pending, None

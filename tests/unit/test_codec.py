@@ -40,10 +40,7 @@ def test_roundtrip_every_allowed_dtype(name):
     frames = list(encode_tensor("w", t))
     h = frames[0].header
     assert (h.name, h.dtype, list(h.shape), h.total_bytes) == ("w", name, [7, 5], 35 * t.element_size())
-    assert h.checksum_alg == "xxh3_128" and h.checksum == b""  # the digest travels last
-    payload = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    assert frames[-1].WhichOneof("kind") == "trailer"
-    assert frames[-1].trailer.checksum == xxhash.xxh3_128(payload).digest()
+    assert h.checksum_alg == "xxh3_128" and len(h.checksum) == 16
     n, r = _roundtrip("w", t)
     assert n == "w" and r.dtype == t.dtype and r.shape == (7, 5)
     # bit-exact, including bfloat16 / NaN payloads
@@ -59,16 +56,16 @@ def test_bfloat16_bits_exact_including_nan():
 def test_zero_dim_tensor():
     t = torch.tensor(3.25, dtype=torch.float32)
     frames = list(encode_tensor("s", t))
-    assert len(frames) == 3 and list(frames[0].header.shape) == [] and frames[0].header.total_bytes == 4
+    assert len(frames) == 2 and list(frames[0].header.shape) == [] and frames[0].header.total_bytes == 4
     n, r = _roundtrip("s", t)
     assert r.shape == () and r.item() == 3.25
 
 
-def test_empty_tensor_is_header_and_trailer():
+def test_empty_tensor_is_header_only():
     t = torch.empty(0, 3, dtype=torch.int64)
     frames = list(encode_tensor("e", t))
-    assert len(frames) == 2 and frames[0].header.total_bytes == 0
-    assert frames[1].trailer.checksum == xxhash.xxh3_128(b"").digest()
+    assert len(frames) == 1 and frames[0].header.total_bytes == 0
+    assert frames[0].header.checksum == xxhash.xxh3_128(b"").digest()
     n, r = _roundtrip("e", t)
     assert r.shape == (0, 3) and r.dtype == torch.int64
 
@@ -76,12 +73,12 @@ def test_empty_tensor_is_header_and_trailer():
 def test_multi_chunk_tensor_offsets_and_sizes():
     t = torch.arange(5 * MiB // 4 + 3, dtype=torch.float32)  # 5 MiB + 12 bytes
     frames = list(encode_tensor("big", t, chunk_bytes=2 * MiB))
-    chunks = [f.chunk for f in frames[1:-1]]
+    chunks = [f.chunk for f in frames[1:]]
     assert [c.offset for c in chunks] == [0, 2 * MiB, 4 * MiB]
     assert [len(c.data) for c in chunks] == [2 * MiB, 2 * MiB, MiB + 12]
     _, r = _roundtrip("big", t)
     assert torch.equal(r, t)
-    assert len(list(encode_tensor("big", t))) == 1 + 2 + 1  # header, 4 MiB chunks, trailer
+    assert len(list(encode_tensor("big", t))) == 1 + 2  # default 4 MiB chunks
 
 
 def test_non_contiguous_input():
@@ -134,7 +131,7 @@ async def test_async_encode_paces_every_frame_and_decodes():
 
     t = torch.randn(MiB // 2)  # 2 MiB
     frames = [f async for f in aencode_tensors({"x": t}, chunk_bytes=MiB, pace=pace)]
-    assert paced == [f.ByteSize() for f in frames] and len(frames) == 4  # header, 2 chunks, trailer
+    assert paced == [f.ByteSize() for f in frames] and len(frames) == 3
     wire = [f async for f in aencode_tensors([("x", t)], chunk_bytes=MiB, pace=pace, wire=True)]
     assert wire == [f.SerializeToString() for f in frames]
 
@@ -170,44 +167,8 @@ def test_flipped_byte_is_checksum_rejection():
 
 
 def test_missing_last_chunk_is_truncated():
-    e = _reject(_frames()[:-2])
+    e = _reject(_frames()[:-1])
     assert e.reason == "truncated" and f"after {2 * MiB} of {3 * MiB} bytes" in e.message
-
-
-def test_missing_trailer_is_truncated_and_no_tensor_is_handed_out():
-    asm = TensorAssembler(1 << 30)
-    assert [asm.feed(f) for f in _frames()[:-1]] == [None] * 4  # every byte, still not trusted
-    with pytest.raises(TensorRejected) as ei:
-        asm.finish()
-    assert ei.value.reason == "truncated" and "no checksum trailer" in ei.value.message
-
-
-def test_misplaced_or_bad_trailers():
-    f = _frames()
-    e = _reject([f[0], f[1], f[-1]])  # trailer before the last byte
-    assert e.reason == "malformed" and f"after {MiB} of {3 * MiB} bytes" in e.message
-    e = _reject(f + [f[-1]])  # a second trailer, no tensor open
-    assert e.reason == "malformed" and "no tensor open" in e.message
-    e = _reject(f[:-1] + [f[1]])  # a chunk where the trailer is due
-    assert e.reason == "malformed" and "trailer was due" in e.message
-    bad = tensor_pb2.TensorFrame(trailer=tensor_pb2.TensorTrailer(checksum=b"\0" * 8))
-    assert _reject(f[:-1] + [bad]).reason == "checksum"
-    wrong = tensor_pb2.TensorFrame(trailer=tensor_pb2.TensorTrailer(checksum=b"\0" * 16))
-    e = _reject(f[:-1] + [wrong])
-    assert e.reason == "checksum" and "digest mismatch" in e.message
-
-
-def test_digest_in_header_needs_no_trailer_and_refuses_one():
-    """Senders that hashed earlier (the outer exchange) put the digest in the header."""
-    t = torch.arange(3 * MiB // 4, dtype=torch.float32)
-    f = _frames(t)
-    f[0].header.checksum = f[-1].trailer.checksum
-    (name, got), = decode_tensors(f[:-1], max_tensor_bytes=1 << 30)
-    assert name == "w" and torch.equal(got, t)
-    e = _reject(f)
-    assert e.reason == "malformed" and "no tensor open" in e.message  # it completed at its last byte
-    e = _reject([f[0], f[1], f[-1]])
-    assert e.reason == "malformed" and "header carried the digest" in e.message
 
 
 def test_oversized_header_rejected_before_any_allocation(monkeypatch):
