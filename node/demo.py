@@ -68,11 +68,13 @@ def node_progress(node: NodeProc) -> dict[str, Any]:
            "loss": _m(m, "swarmnode_train_loss"), "eval_loss": _m(m, "swarmnode_eval_loss"),
            "eval_loss_start": _m(m, "swarmnode_eval_loss_initial"),
            "loss_start": _m(m, "swarmnode_train_loss_initial"),
-           "rounds": _sum(m, "swarmnode_outer_round"),
+           # outer steps taken (ok + solo + failed): a worker that caught up with the swarm has a
+           # higher round label (swarmnode_outer_round) than steps taken
+           "rounds": _sum(m, "swarmnode_outer_rounds_total"),
            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
     done = _finished_event(node) if not node.alive() else None
     if done:  # exact final figures, even if the last scrape missed them
-        row.update(steps=done["step"], rounds=done["round"], eval_loss=done["eval_loss_end"],
+        row.update(steps=done["step"], rounds=done.get("outer_steps", done["round"]), eval_loss=done["eval_loss_end"],
                    eval_loss_start=done["eval_loss_start"], loss=done["train_loss_end"],
                    loss_start=done["train_loss_start"], rounds_ok=done["rounds_ok"], state="finished")
     return row

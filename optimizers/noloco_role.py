@@ -154,6 +154,7 @@ class NoLoCoRole:
         self._first_loss: float | None = None
         self._last_loss: float | None = None
         self._rounds_ok = 0
+        self._outer_steps = 0  # outer steps taken here (the round label can jump: catch_up)
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
     def services(self):
@@ -220,7 +221,7 @@ class NoLoCoRole:
                          extra={"event": "training_finished", "step": self.step, "round": self.round,
                                 "eval_loss_start": eval0, "eval_loss_end": final_eval,
                                 "train_loss_start": self._first_loss, "train_loss_end": self._last_loss,
-                                "rounds_ok": self._rounds_ok})
+                                "rounds_ok": self._rounds_ok, "outer_steps": self._outer_steps})
                 self.ctx.request_drain("finished")
 
     # ---------------- joining / resuming ----------------
@@ -389,6 +390,7 @@ class NoLoCoRole:
             M.SOLO_ROUNDS.labels(reason=reason or "no_partner").inc()
         M.GROUP_SIZE.observe(n)
         self._rounds_ok += n > 1
+        self._outer_steps += 1
         M.BLOCKED_SECONDS.observe(res.blocked_s)
         M.SENT_BYTES.inc(res.sent_bytes)
         M.RECEIVED_BYTES.inc(res.received_bytes)

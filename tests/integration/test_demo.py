@@ -1,0 +1,60 @@
+"""README command 1: ``swarmnode demo`` trains a local swarm (real processes on 127.0.0.1).
+
+Runs a small demo (2 workers, 60 steps) as its own process group and checks the contract of
+the last line of ``--json``: the keys the issue names, a loss that went down, outer rounds
+taken, and every node process gone when the demo exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def test_demo_trains_and_prints_the_json_summary(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the demo keeps its node logs under TMPDIR
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "demo", "--nodes", "2", "--steps", "60", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # stop what we started, by its own process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    lines = out.strip().splitlines()
+    assert any(line.startswith("[") and "step" in line for line in lines), "no progress lines on the terminal"
+    summary = json.loads(lines[-1])
+    assert {"nodes", "steps", "loss_start", "loss_end", "eval_loss_start", "eval_loss_end", "rounds"} <= set(summary)
+    assert summary["nodes"] == 2 and summary["steps"] == 60
+    assert summary["eval_loss_end"] < summary["eval_loss_start"] - 0.3, summary
+    assert summary["loss_end"] < summary["loss_start"], summary
+    assert summary["rounds"] >= 1
+    # every node process the demo started has exited (their command lines name its folder)
+    left = _processes_mentioning(str(tmp_path))
+    for pid in left:  # stop leftovers by PID before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"demo left node processes running: {left}"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(entry))
+    return found
