@@ -49,7 +49,7 @@ import torch
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
 from optimizers.exchange_common import (COUNTED, GRACE_S, HANDSHAKE_S, IDLE_S, LOCK_WAIT_S, METHOD, OPEN_WAIT_S,
-                                         RETRY, SERVICE, ExchangeResult)
+                                         PUBLISH_WAIT_S, RETRY, SERVICE, ExchangeResult)
 from optimizers.exchange_group import GroupMixin
 from optimizers.roster import RosterEntry, publish_entry, read_roster
 from protocol import noloco_pb2_grpc
@@ -109,6 +109,9 @@ class OuterExchange(GroupMixin):
             return self._done(t0, None, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         rng, tried, seen, polls = random.Random(f"{round}:{self.peer_id}"), set(), False, 0
         res: ExchangeResult | None = None
+        # peers entering with us publish at the same moment: once our entry is stored theirs
+        # usually is too, so the first roster read finds them instead of starting the poll backoff
+        await asyncio.wait({publish}, timeout=min(PUBLISH_WAIT_S, max(0.0, C.remaining(st.deadline))))
         try:
             while res is None and st.matched is None and not st.closed and C.remaining(st.deadline) > 0:
                 roster = await self._roster(st)
@@ -518,6 +521,7 @@ class OuterExchange(GroupMixin):
                 st.incoming.set_result(res)
         if abort is not None:
             await context.abort(*abort)
+
 
 class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
     """gRPC servicer; registers with the generated ``add_NoLoCoServicer_to_server`` (protobuf

@@ -155,6 +155,7 @@ HANDSHAKE_S = 3.5        # caller waits this long for the reply header (> LOCK_W
 OPEN_WAIT_S = 5.0        # a server waits this long for the "open" header
 IDLE_S = 15.0            # longest gap between two frames of a stream
 GRACE_S = 1.0            # extra wait for an exchange already in flight at the deadline
+PUBLISH_WAIT_S = 0.5     # pair mode: wait at most this long for our roster entry before the first read
 RETRY = frozenset({"busy"})
 COUNTED = frozenset({"run", "cfg_hash", "specs", "sender", "order", "mode", "stale", "future", "malformed"})
 OK, SOLO, FAILED = "ok", "solo", "failed"
