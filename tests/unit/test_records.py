@@ -175,7 +175,7 @@ def test_oversize_payload(keys):
 
 
 def test_extra_field_in_payload(keys):
-    a, reader = make_validator(keys["a"]), make_validator(keys["b"])
+    reader = make_validator(keys["b"])
     key, pid = f"{RUN}/nodes", peer_id_str(keys["a"])
     payload = msgpack.packb({**CARD.model_dump(mode="json"), "evil": 1})
     exp = get_dht_time() + 30
