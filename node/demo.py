@@ -74,7 +74,7 @@ def node_progress(node: NodeProc) -> dict[str, Any]:
            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
     done = _finished_event(node) if not node.alive() else None
     if done:  # exact final figures, even if the last scrape missed them
-        row.update(steps=done["step"], rounds=done.get("outer_steps", done["round"]), eval_loss=done["eval_loss_end"],
+        row.update(steps=done["step"], rounds=done["outer_steps"], eval_loss=done["eval_loss_end"],
                    eval_loss_start=done["eval_loss_start"], loss=done["train_loss_end"],
                    loss_start=done["train_loss_start"], rounds_ok=done["rounds_ok"], state="finished")
     return row

@@ -41,7 +41,7 @@ from optimizers.diloco import DiLoCoOuter
 from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.inner import inner_step
 from optimizers.noloco import NoLoCoOuter, all_finite, copy_into
-from optimizers.roster import ROSTER_NAMESPACE, frontier_round
+from optimizers.roster import ROSTER_NAMESPACE, card_round, frontier_round, ready_peers
 from optimizers.schedule import inner_lr_scheduler
 from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
 from protocol import weights_pb2_grpc
@@ -76,7 +76,8 @@ class WorkerConfig(NoLoCoConfig):
     """Before each exchange, adopt the highest round label among live peers' node cards, so a
     worker that fell behind (a solo round, slower hardware, a restart) meets the others again
     instead of waiting alone in an old round. Only the label moves: no inner steps are skipped.
-    Turn it off only to study strictly lock-step round labels."""
+    NoLoCo only (DiLoCo re-fetches phi and the round after a missed round). Turn it off only to
+    study strictly lock-step round labels."""
 
     @model_validator(mode="after")
     def _supported_pairing(self) -> "WorkerConfig":
@@ -155,6 +156,7 @@ class NoLoCoRole:
         self._last_loss: float | None = None
         self._rounds_ok = 0
         self._outer_steps = 0  # outer steps taken here (the round label can jump: catch_up)
+        self._catch_up = self.cfg.catch_up and self.cfg.outer == "noloco"  # DiLoCo resyncs phi instead
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
     def services(self):
@@ -232,11 +234,10 @@ class NoLoCoRole:
         except Exception as exc:  # noqa: BLE001 - no view of the swarm: nothing to fetch
             log.warning("could not read node cards to find a state donor: %r", exc)
             return None
-        donors = [v for v in views if v.card.role == "noloco" and v.card.state == "ready"
-                  and v.peer_id != self.ctx.peer_id and v.card.details.get("cfg_hash") == self.cfg_hash
-                  and int(v.card.details.get("round", 0)) >= min_round]
+        donors = [v for v in ready_peers(views, peer_id=self.ctx.peer_id, cfg_hash=self.cfg_hash)
+                  if (card_round(v) or 0) >= min_round]
         random.shuffle(donors)  # ties in round: a random donor, so joiners spread the load
-        donors.sort(key=lambda v: -int(v.card.details.get("round", 0)))
+        donors.sort(key=lambda v: -(card_round(v) or 0))
         expected = {n: (torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)}
         for donor in donors[:3]:
             try:
@@ -361,9 +362,7 @@ class NoLoCoRole:
         loss = await asyncio.to_thread(self._inner_steps, h)
         if self._stopping:
             return
-        rnd = self.round
-        if self.cfg.outer == "noloco" and self.cfg.catch_up:
-            rnd = await self._catch_up_round()
+        rnd = await self._catch_up_round() if self._catch_up else self.round
         tensors = self.outer.exchange_tensors([p.detach() for p in self.params])
         timeout = self.cfg.round_timeout
         if self.cfg.outer == "diloco":
@@ -403,7 +402,7 @@ class NoLoCoRole:
         if len(pairs) > 1:
             repeats = sum(a == b and a != () for a, b in zip(pairs, pairs[1:]))
             M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
-        self.ctx.card.update(round=self.round, publish=self.cfg.catch_up)
+        self.ctx.card.update(round=self.round, publish=self._catch_up)
         set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,

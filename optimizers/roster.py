@@ -8,6 +8,7 @@ own pairing (``optimizers/exchange.py``) nor the validator (``security/records.p
     roster_key(run_id, round) -> "<run>/noloco/roster/<round>"
     await publish_entry(dht, run_id, peer_id, RosterEntry(...), ttl_s) -> bool
     await read_roster(dht, run_id, round) -> {peer_id: RosterEntry}
+    ready_peers(card_views, peer_id=..., cfg_hash=...) -> the other READY workers of our config
     frontier_round(card_views, peer_id=..., cfg_hash=...) -> highest live peer round or None
 """
 
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from security.records import Namespace, read_entries, record_value
 
 __all__ = ["RosterEntry", "ROSTER_NAMESPACE", "ROSTER_MAX_TTL_S", "roster_key", "publish_entry", "read_roster",
-           "frontier_round"]
+           "card_round", "ready_peers", "frontier_round"]
 
 log = logging.getLogger("swarmnode.noloco.roster")
 
@@ -85,18 +86,22 @@ async def read_roster(dht: Any, run_id: str, round: int, timeout: float = 10.0) 
     return {pid: e for pid, e in entries.items() if e.round == round}
 
 
+def card_round(view: Any) -> int | None:
+    """The round a worker's node card (``node.card.CardView``) announces; None if absent or not
+    a non-negative int."""
+    r = view.card.details.get("round")
+    return r if isinstance(r, int) and not isinstance(r, bool) and r >= 0 else None
+
+
+def ready_peers(views: Iterable[Any], *, peer_id: str, cfg_hash: str) -> list[Any]:
+    """The node cards of the other READY noloco workers with our ``cfg_hash``: the peers this
+    worker may pair with, take state from, or follow to a higher round."""
+    return [v for v in views if v.peer_id != peer_id and v.card.role == "noloco" and v.card.state == "ready"
+            and v.card.details.get("cfg_hash") == cfg_hash]
+
+
 def frontier_round(views: Iterable[Any], *, peer_id: str, cfg_hash: str) -> int | None:
-    """The highest round on the node cards (``node.card.CardView``) of the other READY noloco
-    workers with our ``cfg_hash``; None when there is none. A worker behind it adopts it as its
-    round label so it can pair again (``noloco.catch_up``)."""
-    rounds = []
-    for v in views:
-        card = v.card
-        if v.peer_id == peer_id or card.role != "noloco" or card.state != "ready":
-            continue
-        if card.details.get("cfg_hash") != cfg_hash:
-            continue
-        r = card.details.get("round")
-        if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
-            rounds.append(r)
-    return max(rounds) if rounds else None
+    """The highest round on ``ready_peers``' cards; None when there is none. A worker behind it
+    adopts it as its round label so it can pair again (``noloco.catch_up``)."""
+    rounds = [r for r in map(card_round, ready_peers(views, peer_id=peer_id, cfg_hash=cfg_hash)) if r is not None]
+    return max(rounds, default=None)
