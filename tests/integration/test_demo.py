@@ -7,6 +7,7 @@ taken, and every node process gone when the demo exits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,12 @@ def test_demo_trains_and_prints_the_json_summary(tmp_path):
         if proc.poll() is None:  # stop what we started, by its own process group
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        # the nodes run in sessions of their own (their command lines name the demo's folder):
+        # whatever is left is stopped here by PID, even when the demo itself failed
+        left = _processes_mentioning(str(tmp_path))
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     lines = out.strip().splitlines()
     assert any(line.startswith("[") and "step" in line for line in lines), "no progress lines on the terminal"
@@ -38,10 +45,6 @@ def test_demo_trains_and_prints_the_json_summary(tmp_path):
     assert summary["eval_loss_end"] < summary["eval_loss_start"] - 0.3, summary
     assert summary["loss_end"] < summary["loss_start"], summary
     assert summary["rounds"] >= 1
-    # every node process the demo started has exited (their command lines name its folder)
-    left = _processes_mentioning(str(tmp_path))
-    for pid in left:  # stop leftovers by PID before failing
-        os.kill(pid, signal.SIGKILL)
     assert not left, f"demo left node processes running: {left}"
 
 

@@ -171,6 +171,7 @@ async def _kill_during_stream(dhts, kill_caller: bool):
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)  # mid-stream
         t_victim.cancel()
+        await asyncio.gather(t_victim, return_exceptions=True)
         await victim.server.stop(0)
         await victim.ex.close()
         res = await asyncio.wait_for(t_survivor, timeout + 2)

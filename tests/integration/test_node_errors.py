@@ -56,11 +56,6 @@ def wait_for(pred, timeout: float, interval: float = 0.25, what: str = "conditio
         time.sleep(interval)
 
 
-def closed_port() -> int:
-    """A local TCP port nobody listens on (bound and released)."""
-    return free_port()
-
-
 def failed_attempts(node: NodeProc) -> float:
     return node.metrics().get('swarmnode_dht_bootstrap_attempts_total{outcome="failed"}', 0.0)
 
@@ -68,7 +63,7 @@ def failed_attempts(node: NodeProc) -> float:
 # ---- unreachable bootstrap ----
 
 def test_unreachable_bootstrap_stays_joining_then_sigterm(tmp_path):
-    dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{FAKE_PEER}"
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{FAKE_PEER}"
     with LocalSwarm(run_id="errs", workdir=tmp_path, common_set=["dht.retry_max_s=2", "drain.budget_s=10"]) as swarm:
         node = swarm.start("bootstrap", name="lonely", initial_peers=[dead])
 
@@ -100,7 +95,7 @@ def test_unreachable_bootstrap_stays_joining_then_sigterm(tmp_path):
 
 
 def test_bootstrap_deadline_exits_4(tmp_path):
-    dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{FAKE_PEER}"
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{FAKE_PEER}"
     with LocalSwarm(run_id="errs", workdir=tmp_path,
                     common_set=["dht.bootstrap_deadline_s=3", "dht.retry_max_s=1", "drain.budget_s=5"]) as swarm:
         node = swarm.start("bootstrap", name="giveup", initial_peers=[dead])

@@ -52,7 +52,7 @@ def forge_card(bootstrap_maddr: str, run_id: str, victim_peer_id: str) -> None:
         sig = sign(generate_key(), signing_bytes(key, victim_peer_id, payload, expiration))
         value = {"v": RECORD_TAG, "k": key, "p": payload, "s": sig}
         attacker.store(key, value, expiration, subkey=victim_peer_id)
-        assert msgpack.packb(value)  # the forged value is well-formed, only the signature is wrong
+        assert msgpack.unpackb(msgpack.packb(value)) == value  # well-formed; only the signature is wrong
     finally:
         attacker.shutdown()
 

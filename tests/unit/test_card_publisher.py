@@ -43,3 +43,4 @@ async def test_round_change_publishes_at_once_unchanged_value_does_not():
         assert len(mem.stores) == 2
     finally:
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

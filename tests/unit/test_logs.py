@@ -176,6 +176,9 @@ def test_forked_child_writes_directly(tmp_path):
         p = multiprocessing.get_context("fork").Process(target=_child_logs)
         p.start()
         p.join(10)
+        if p.is_alive():  # a hung child is stopped by its PID before the assert reports it
+            p.kill()
+            p.join()
         shutdown_logging()
     recs = [_strict(x) for x in path.read_text().splitlines()]
     assert p.exitcode == 0 and [r["event"] for r in recs] == ["child"]

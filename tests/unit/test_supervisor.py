@@ -117,4 +117,6 @@ async def test_cancel_all_cancels_running_tasks_without_counting_failures():
 
 
 async def test_cancel_all_with_nothing_running():
-    await Supervisor().cancel_all()
+    sup = Supervisor()
+    await sup.cancel_all()
+    assert sup.healthy
