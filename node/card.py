@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from node.config import RoleName
 from node.lifecycle import State
 from node.metrics import DHT_REQUEST_SECONDS, DHT_REQUESTS
 from security.records import Namespace, decode_payload, record_value
@@ -36,7 +37,7 @@ class NodeCard(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["bootstrap", "noloco", "stage", "grpo"]
+    role: RoleName
     state: Literal["joining", "ready", "draining", "offline"]
     version: str = Field(max_length=32)
     grpc_addr: str = Field(max_length=80)

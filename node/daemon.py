@@ -53,6 +53,7 @@ class Node:
         self.peer_id = ""
         self._exit_code = EXIT_OK
         self._drain_started = False
+        self._trigger = ""  # what asked for the drain (request_drain)
         self._stop = None  # asyncio.Event, made on the loop
         self._role_ready = (False, "role_init", "building the role")
         self._sigint_count = 0
@@ -124,7 +125,7 @@ class Node:
                 log.error("no initial peer answered within dht.bootstrap_deadline_s; giving up (exit 4)",
                           extra={"event": "bootstrap_gave_up"})
                 self._exit_code = EXIT_BOOTSTRAP_GAVE_UP
-                self._stop.set()
+                self.request_drain("bootstrap_gave_up")
                 return
             if not self.cfg.dht.initial_peers:
                 return  # a swarm's first node (the bootstrap) needs no peers to be ready
@@ -180,8 +181,6 @@ class Node:
         await self.drain(self._trigger)
         return self._exit_code
 
-    _trigger = "sigterm"
-
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_drain, "sigterm")
@@ -230,7 +229,6 @@ class Node:
                 extra={"event": "drain_step", "step": name, "duration_s": round(dt, 3), "overrun": overrun})
 
     async def drain(self, trigger: str) -> None:
-        self._drain_started = True
         # an AWS notice comes 2 minutes ahead: the role may use the longer budget to hand over work
         budget = self.cfg.preemption.aws_drain_budget_s if trigger == "aws" else self.cfg.drain.budget_s
         t0 = time.monotonic()

@@ -26,12 +26,10 @@ TRAINING_ROLES = ("noloco",)
 
 
 def _default_role() -> str:
-    from node.roles import load_role
-    try:
-        load_role("noloco")
-        return "noloco"
-    except Exception:  # noqa: BLE001 - role not installed: membership-only demo
-        return "bootstrap"
+    """noloco when installed (looked up, not imported: the nodes are other processes), else a
+    membership-only demo."""
+    from importlib.metadata import entry_points
+    return "noloco" if entry_points(group="swarmnode.roles", name="noloco") else "bootstrap"
 
 
 def _m(metrics: dict[str, float], name: str) -> float | None:
@@ -133,12 +131,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         try:
             while True:
                 time.sleep(3.0)
+                finished = training and all(not w.alive() for w in workers)  # before reading: final rows
                 rows = [node_progress(w) for w in workers]
                 print_progress(rows, time.monotonic() - t0)
-                if args.duration is not None and time.monotonic() - t0 >= args.duration:
-                    break
-                if training and all(not w.alive() for w in workers):
-                    rows = [node_progress(w) for w in workers]
+                if finished or (args.duration is not None and time.monotonic() - t0 >= args.duration):
                     break
         except KeyboardInterrupt:
             print("\nstopping (Ctrl-C): draining every node…", flush=True)

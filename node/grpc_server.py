@@ -63,7 +63,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary or handler.stream_unary:
             inner = handler.unary_unary or handler.stream_unary
 
-            async def unary_result(request, context):
+            async def wrapped(request, context):
                 t0, exc = time.perf_counter(), None
                 try:
                     return await inner(request, context)
@@ -77,7 +77,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         else:
             inner = handler.unary_stream or handler.stream_stream
 
-            async def unary_result(request, context):  # a streaming response
+            async def wrapped(request, context):  # a streaming response
                 t0, exc = time.perf_counter(), None
                 try:
                     async for item in inner(request, context):
@@ -89,7 +89,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     record(context, exc, t0)
 
             factory = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return factory(unary_result, request_deserializer=handler.request_deserializer,
+        return factory(wrapped, request_deserializer=handler.request_deserializer,
                        response_serializer=handler.response_serializer)
 
 

@@ -182,8 +182,7 @@ class LocalSwarm:
 
     def stop(self, node: NodeProc, timeout: float = 25.0) -> int:
         """SIGTERM, wait for the drain, then SIGKILL the process group if it is still there."""
-        if node.alive():
-            os.kill(node.pid, signal.SIGTERM)
+        self.signal(node, signal.SIGTERM)
         code = self.wait_exit(node, timeout)
         if code is None:
             self.kill(node)
@@ -203,16 +202,9 @@ class LocalSwarm:
 
     def stop_all(self, timeout: float = 25.0) -> None:
         for n in self.nodes:
-            if n.alive():
-                os.kill(n.pid, signal.SIGTERM)
+            self.signal(n, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for n in self.nodes:
             self.wait_exit(n, max(0.1, deadline - time.monotonic()))
         for n in self.nodes:
-            # reap leftovers of the group too (p2pd of a SIGKILLed parent)
-            try:
-                os.killpg(n.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            if n.proc.poll() is None:
-                n.proc.wait(timeout=10)
+            self.kill(n)  # reap leftovers of the group too (p2pd of a SIGKILLed parent)

@@ -111,7 +111,6 @@ class Membership:
         self.validators = validators
         self.dht: "hivemind.DHT | None" = None
         self.status = JoinStatus()
-        self._peer_count_cache = (0.0, 0)
 
     # -- start / stop (main thread, before any gRPC object exists) --
     def start_dht(self) -> None:
@@ -168,14 +167,9 @@ class Membership:
             return None
 
     async def peer_count(self) -> int:
-        """Routing-table size, cached for a second (cheap to call in loops)."""
-        now = time.monotonic()
-        if now - self._peer_count_cache[0] < 1.0:
-            return self._peer_count_cache[1]
+        """Routing-table size (0 when the DHT does not answer within 2 s)."""
         res = await asyncio.to_thread(self.probe, 2.0)
-        n = res[0] if res else 0
-        self._peer_count_cache = (now, n)
-        return n
+        return res[0] if res else 0
 
     # -- joining --
     async def join_once(self) -> dict[str, str]:
@@ -210,7 +204,6 @@ class Membership:
             BOOTSTRAP_ATTEMPTS.labels(outcome="ok" if ok else "failed").inc()
             if ok:
                 self.status.joined = True
-                self._peer_count_cache = (0.0, 0)
                 log.info("joined the swarm", extra={"event": "bootstrap_attempt", "outcome": "ok",
                                                     "attempt": self.status.attempts, "peers": outcomes})
                 await on_progress(self.status)

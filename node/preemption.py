@@ -5,7 +5,7 @@ Owns the ``[preemption]`` config section and the polling. Does not own the drain
 ``swarmnode_preemption_notices_total{source}`` and ``on_notice`` to start the drain.
 
     watcher = PreemptionWatcher(cfg.preemption, on_notice=drain.start, on_count=count_notice)
-    supervisor.spawn("preemption", watcher.run())   # returns after one notice, or at once for "none"
+    supervisor.spawn("preemption", watcher.run)   # a factory; run() returns after one notice, or at once for "none"
 
 - **aws**: IMDSv2. ``PUT aws_token_url`` for a token, then ``GET aws_url`` with it every
   ``poll_interval_s``; 404 = no notice, 200 + ``{"action": "terminate"|"stop", "time": ...}`` =

@@ -8,7 +8,7 @@ name. Everything a role may use from the daemon comes through :class:`NodeContex
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Protocol
 
@@ -43,7 +43,6 @@ class NodeContext:
     (reason codes from ``node.lifecycle.READINESS_REASONS``, e.g. ``role_init``, ``state_sync``)."""
     request_drain: Callable[[str], None] = lambda trigger: None
     """Ask the node to drain and exit 0 (e.g. a worker that finished its configured steps)."""
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Role(Protocol):
