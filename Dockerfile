@@ -37,7 +37,7 @@ COPY pipeline/ pipeline/
 COPY rl/ rl/
 COPY security/ security/
 COPY models/ models/
-RUN python -m protocol.build --force \
+RUN python -c "import protocol" \
  && pip wheel --no-deps -w /wheels .
 
 # ---- runtime: the wheel, torch, tini; nothing else ---------------------------------------

@@ -1,7 +1,7 @@
 """Generate Python modules from ``protocol/*.proto`` with grpcio-tools.
 
-    python -m protocol.build          # regenerate if any .proto is newer
-    python -m protocol.build --force  # regenerate all
+    python -c "import protocol"       # regenerate if any .proto is newer (what builds use)
+    python -m protocol.build --force  # regenerate all (the import above has already run once)
 
 Generated files import each other as ``protocol.<name>_pb2``, because protoc runs with
 the repository root (the parent of this folder) as include path.
