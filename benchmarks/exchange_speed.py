@@ -35,6 +35,7 @@ From code: ``from benchmarks.exchange_speed import run_exchange_bench; run_excha
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -63,6 +64,7 @@ def _tensors(seed: int, n: int, numel: int):
     return [torch.randn(numel, generator=g, dtype=torch.float32) for _ in range(n)]
 
 
+@functools.cache
 def _expected_head(n: int, numel: int, k: int = 64):
     """(a + b) / 2 of the first k elements of every tensor, for the correctness check."""
     import torch

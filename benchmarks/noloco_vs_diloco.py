@@ -154,6 +154,7 @@ def run(quick: bool = True, out: Path | None = None, W: Sequence[int] | None = N
         conv = run_convergence(quick=quick, runs=("noloco", "diloco"), log=log)
 
     ss = sim["summary"]
+    xs = ex["summary"] if ex else {}  # the exchange timing (None everywhere when skipped)
     W_list = sim["config"]["W"]
     growth = ss["blocked_growth"]
     summary: dict[str, Any] = {
@@ -167,14 +168,13 @@ def run(quick: bool = True, out: Path | None = None, W: Sequence[int] | None = N
         "blocked_growth_with_W": growth,
         "blocked_ratio_steady_state_per_W": ss["blocked_ratio_steady_state_per_W"],
         "blocked_ratio_same_round_only_per_W": ss["blocked_ratio_same_round_only_per_W"],
-        "exchange_speedup_vs_hivemind_averager":
-            ex["summary"]["exchange_speedup_vs_hivemind_averager"] if ex else None,
-        "exchange_ours_total_s": ex["summary"]["ours_total_s"] if ex else None,
-        "exchange_hivemind_total_s": ex["summary"]["hivemind_total_s"] if ex else None,
-        "exchange_ours_stream_s": ex["summary"]["ours_stream_s"] if ex else None,
-        "exchange_hivemind_allreduce_only_s": ex["summary"]["hivemind_allreduce_only_s"] if ex else None,
-        "exchange_speedup_transfer_only": ex["summary"]["speedup_transfer_only"] if ex else None,
-        "exchange_means_correct": ex["summary"]["means_correct"] if ex else None,
+        "exchange_speedup_vs_hivemind_averager": xs.get("exchange_speedup_vs_hivemind_averager"),
+        "exchange_ours_total_s": xs.get("ours_total_s"),
+        "exchange_hivemind_total_s": xs.get("hivemind_total_s"),
+        "exchange_ours_stream_s": xs.get("ours_stream_s"),
+        "exchange_hivemind_allreduce_only_s": xs.get("hivemind_allreduce_only_s"),
+        "exchange_speedup_transfer_only": xs.get("speedup_transfer_only"),
+        "exchange_means_correct": xs.get("means_correct"),
         "convergence_eval_loss_ratio_noloco_vs_diloco":
             conv["summary"]["eval_loss_ratio_noloco_vs_diloco"] if conv else None,
         "notes": {

@@ -2,7 +2,7 @@
 
 Run (from the repository root)::
 
-    . /work/venv/bin/activate
+    . .venv/bin/activate
     python benchmarks/transport.py --out /tmp/transport.json --quick
 
 Measures, for 1, 16 and 256 MiB float32 tensors on 127.0.0.1:
@@ -152,7 +152,9 @@ async def _measure(grpc_port, sock_port, sizes, repeats):
     return out
 
 
-def run(sizes, repeats, chunk_bytes=4 * MiB):
+def run(sizes, repeats, chunk_bytes=None):
+    from protocol.codec import DEFAULT_CHUNK_BYTES
+    chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     ctx = mp.get_context("spawn")
     gq, sq, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_grpc_server_main, args=(gq, stop_ev, sizes, chunk_bytes), daemon=True),

@@ -143,8 +143,6 @@ def _header(name: str, t: torch.Tensor, mv: memoryview, digest: bytes) -> tensor
         checksum=digest, checksum_alg=CHECKSUM_ALG))
 
 
-
-
 def chunk_frame_bytes(offset: int, data) -> bytes:
     """Serialized ``TensorFrame{chunk{offset, data}}`` built with a single copy of ``data``
     (protobuf would copy it into the message, then again to serialize)."""
@@ -226,8 +224,6 @@ def serialize_frame(frame: tensor_pb2.TensorFrame | bytes) -> bytes:
     return frame if isinstance(frame, bytes) else frame.SerializeToString()
 
 
-
-
 def parse_frame(data: bytes) -> tensor_pb2.TensorFrame | ChunkView:
     """gRPC ``response_deserializer`` for TensorFrame streams.
 
@@ -294,11 +290,6 @@ class TensorAssembler:
         self._failed: TensorRejected | None = None
 
     # -- public
-    @property
-    def in_progress(self) -> str | None:
-        """Name of the tensor being received, or None between tensors."""
-        return self._pending.name if self._pending else None
-
     def missing(self) -> list[str]:
         """Expected names not received yet (empty when ``expected`` was not given)."""
         return [n for n in (self.expected or {}) if n not in self._seen]
