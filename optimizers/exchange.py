@@ -318,7 +318,7 @@ class OuterExchange(GroupMixin):
         return tensors, nbytes
 
     async def _check_finite(self, tensors: list[torch.Tensor], whose: str = "the partner's") -> None:
-        big = sum(t.numel() * t.element_size() for t in tensors) >= (8 << 20)
+        big = sum(t.numel() * t.element_size() for t in tensors) >= C.THREAD_BYTES
         ok = await asyncio.to_thread(lambda: all(map(C.all_finite, tensors))) if big else all(map(C.all_finite, tensors))
         if not ok:
             raise TensorRejected("nonfinite", f"{whose} tensors contain NaN or inf; dropped (security.md §7)")
@@ -330,7 +330,7 @@ class OuterExchange(GroupMixin):
         order = sorted(parts, key=lambda x: x[0])
         ordered = [t for _, t in order]
         owned = {i for i, (pid, _) in enumerate(order) if pid != self.peer_id}
-        if sum(C.spec_bytes(s) for s in self.specs) >= (8 << 20):
+        if sum(C.spec_bytes(s) for s in self.specs) >= C.THREAD_BYTES:
             mean, finite = await asyncio.to_thread(C.mean_of, ordered, owned)
         else:
             mean, finite = C.mean_of(ordered, owned)

@@ -29,13 +29,15 @@ from protocol.varint import encode_varint, read_varint
 import xxhash
 
 from protocol import noloco_pb2, tensor_pb2
-from protocol.codec import CHECKSUM_ALG, DEFAULT_CHUNK_BYTES, ChunkView, dtype_name
+from protocol.codec import (DEFAULT_CHUNK_BYTES, ChunkView, dtype_name, payload_view, serialize_frame,
+                            tensor_header)
 
 __all__ = ["Spec", "spec_hash", "header_frame", "encode_tensors", "serialize", "parse_wire", "split",
            "spec_bytes", "digests", "mean_of", "all_finite", "ExchangeResult", "Round", "Refused", "PeerError"]
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
-_THREAD_BYTES = 8 << 20  # hash tensors at least this large in a worker thread (xxhash drops the GIL)
+THREAD_BYTES = 8 << 20  # hash/check/average payloads at least this large in a worker thread (numpy and
+#                         xxhash drop the GIL), so the event loop keeps serving peers
 
 
 def spec_hash(specs: Sequence[Spec]) -> str:
@@ -71,15 +73,9 @@ def _chunk_frame(offset: int, part: memoryview, wire: bool) -> bytes | noloco_pb
     return b"".join((b"\x12", encode_varint(len(tf_head) + tf_len), tf_head, chunk, part))  # ExchangeFrame.tensor
 
 
-def _flat_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
-    t = tensor.detach()
-    t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
-    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def digests(tensors: Sequence[torch.Tensor]) -> list[bytes]:
     """xxh3_128 of each tensor's payload (run it in a thread: xxhash drops the GIL)."""
-    return [xxhash.xxh3_128(_flat_bytes(t)[1]).digest() for t in tensors]
+    return [xxhash.xxh3_128(payload_view(t)[1]).digest() for t in tensors]
 
 
 async def encode_tensors(tensors: Sequence[torch.Tensor], names: Sequence[str], wire: bool,
@@ -91,16 +87,14 @@ async def encode_tensors(tensors: Sequence[torch.Tensor], names: Sequence[str], 
     giving ``digests(tensors)`` started earlier (hashing then leaves the critical path)."""
     known = await precomputed if precomputed is not None else None
     for i, (name, tensor) in enumerate(zip(names, tensors)):
-        t, mv = _flat_bytes(tensor)
+        t, mv = payload_view(tensor)
         if known is not None:
             digest = known[i]
-        elif mv.nbytes >= _THREAD_BYTES:
+        elif mv.nbytes >= THREAD_BYTES:
             digest = await asyncio.to_thread(lambda: xxhash.xxh3_128(mv).digest())
         else:
             digest = xxhash.xxh3_128(mv).digest()
-        head = noloco_pb2.ExchangeFrame(tensor=tensor_pb2.TensorFrame(header=tensor_pb2.TensorHeader(
-            name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), total_bytes=mv.nbytes,
-            checksum=digest, checksum_alg=CHECKSUM_ALG)))
+        head = noloco_pb2.ExchangeFrame(tensor=tensor_header(name, t, mv, digest))
         frame = head.SerializeToString() if wire else head
         if pace is not None:
             await pace(len(frame) if wire else head.ByteSize())
@@ -113,8 +107,7 @@ async def encode_tensors(tensors: Sequence[torch.Tensor], names: Sequence[str], 
             yield frame, len(part)
 
 
-def serialize(frame: bytes | noloco_pb2.ExchangeFrame) -> bytes:
-    return frame if isinstance(frame, bytes) else frame.SerializeToString()
+serialize = serialize_frame  # wire bytes pass through; protobuf frames are serialized
 
 
 def parse_wire(data: bytes) -> noloco_pb2.ExchangeFrame | ChunkView:
@@ -163,7 +156,7 @@ OK, SOLO, FAILED = "ok", "solo", "failed"
 
 @dataclass
 class ExchangeResult:
-    mean: list[torch.Tensor] | None
+    mean: list[torch.Tensor] | None  # verified and finite whenever outcome == "ok"
     n: int
     partners: list[str]
     outcome: str                 # "ok" | "solo" | "failed"

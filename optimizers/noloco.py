@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["NoLoCoOuter", "all_finite", "copy_into", "make_outer", "replica_spread"]
+__all__ = ["NoLoCoOuter", "copy_into", "make_outer", "replica_spread"]
 
 Consensus = Literal["tied"] | float
 
@@ -47,11 +47,6 @@ def _check_like(name: str, tensors: Sequence[Tensor], ref: Sequence[Tensor]) -> 
     for i, (t, r) in enumerate(zip(tensors, ref)):
         if t.shape != r.shape:
             raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)}, expected {tuple(r.shape)}")
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """True if every element of every tensor is finite (the role's check on received means)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 @torch.no_grad()

@@ -37,10 +37,9 @@ from node.metrics import RPC_REJECTED, TENSORS_REJECTED, TRANSFER_BYTES
 from node.roles import NodeContext, register
 from optimizers import checkpoint, noloco_metrics as M
 from optimizers.config import NoLoCoConfig
-from optimizers.diloco import DiLoCoOuter
 from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.inner import inner_step
-from optimizers.noloco import NoLoCoOuter, all_finite, copy_into
+from optimizers.noloco import copy_into, make_outer
 from optimizers.roster import ROSTER_NAMESPACE, card_round, frontier_round, ready_peers
 from optimizers.schedule import inner_lr_scheduler
 from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
@@ -84,6 +83,9 @@ class WorkerConfig(NoLoCoConfig):
         if self.pairing != "seeded":
             raise ValueError(f"pairing={self.pairing!r} is not available in this version of the noloco role; "
                              "use pairing = \"seeded\" (the DHT roster + gRPC exchange)")
+        if self.outer == "noloco" and self.group_size != 2:
+            raise ValueError(f"group_size={self.group_size!r}: the noloco role averages in pairs only (the "
+                             "paper's k = 2); use group_size = 2, or outer = \"diloco\" for a global average")
         return self
 
 
@@ -133,9 +135,7 @@ class NoLoCoRole:
         self.model = build_from_config(settings.model, seed=self.cfg.seed)
         self.names = _param_names(self.model)
         self.params = [p for _, p in self.model.named_parameters()]
-        self.specs = [(n, torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)]
-        outer_cls = NoLoCoOuter if self.cfg.outer == "noloco" else DiLoCoOuter
-        self.outer = outer_cls.from_config([p.detach() for p in self.params], self.cfg)
+        self.outer = make_outer([p.detach() for p in self.params], self.cfg)
         ex_names = list(self.names) + ([f"phi.{n}" for n in self.names] if self.cfg.exchanges_phi else [])
         ex_specs = [(n, torch.float32, tuple(p.shape)) for n, p in
                     zip(ex_names, self.params * (2 if self.cfg.exchanges_phi else 1))]
@@ -259,7 +259,7 @@ class NoLoCoRole:
             rnd, phi, donor = got
             with torch.no_grad():
                 copy_into(self.params, phi)
-            self.outer = type(self.outer).from_config([p.detach() for p in self.params], self.cfg)
+            self.outer = make_outer([p.detach() for p in self.params], self.cfg)
             self.round = rnd
             self.step = rnd * self.cfg.inner_steps
             self._make_optimizer(self.step)
@@ -371,14 +371,12 @@ class NoLoCoRole:
         else:
             res = await self.exchange.pair_average(rnd, tensors, timeout)
         n, theta_bar, phi_bar, outcome, reason = res.n, None, None, res.outcome, res.reason
-        if res.mean is not None and n > 1 and all_finite(res.mean):
+        if res.mean is not None and n > 1:  # the exchange hands out only verified, finite means
             theta_bar, phi_bar = self.outer.split_means(res.mean)
             spread = torch.sqrt(sum(((t.to(torch.float32) - tb) ** 2).sum() for t, tb in
                                     zip(self.params, theta_bar)) / sum(p.numel() for p in self.params))
             M.REPLICA_SPREAD.set(float(spread))
         else:
-            if res.mean is not None and n > 1:
-                outcome, reason = "failed", "nonfinite"
             n = 1
         norm = await asyncio.to_thread(self._outer_step, theta_bar, phi_bar, n)
         self.round = rnd + 1

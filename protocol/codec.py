@@ -24,6 +24,7 @@ Public API::
     decode_tensors(frames, max_tensor_bytes, expected=None) -> Iterator[(name, tensor)]
     adecode_tensors(frames, max_tensor_bytes, expected=None) -> AsyncIterator[(name, tensor)]
     check_finite(name, tensor)        # raises TensorRejected("nonfinite", ...)
+    payload_view(tensor) -> (owner, flat uint8 memoryview);  tensor_header(name, t, mv, digest)
     TensorRejected(reason, message)   # reason in REJECT_REASONS
 
 Fast path for gRPC (protobuf copies a 4 MiB bytes field twice per side and caps a stream
@@ -126,7 +127,7 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
     return chunk_bytes
 
 
-def _payload(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+def payload_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     """A CPU, contiguous copy-free (where possible) byte view of ``tensor``.
     Returns the tensor that owns the bytes (keep it alive) and a flat uint8 memoryview."""
     t = tensor.detach()
@@ -137,7 +138,7 @@ def _payload(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     return t, memoryview(flat.numpy()).cast("B")
 
 
-def _header(name: str, t: torch.Tensor, mv: memoryview, digest: bytes) -> tensor_pb2.TensorFrame:
+def tensor_header(name: str, t: torch.Tensor, mv: memoryview, digest: bytes) -> tensor_pb2.TensorFrame:
     return tensor_pb2.TensorFrame(header=tensor_pb2.TensorHeader(
         name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), total_bytes=mv.nbytes,
         checksum=digest, checksum_alg=CHECKSUM_ALG))
@@ -153,7 +154,7 @@ def chunk_frame_bytes(offset: int, data) -> bytes:
 
 def _frames(name: str, t: torch.Tensor, mv: memoryview, digest: bytes, chunk_bytes: int,
             wire: bool) -> Iterator[tensor_pb2.TensorFrame | bytes]:
-    header = _header(name, t, mv, digest)
+    header = tensor_header(name, t, mv, digest)
     yield header.SerializeToString() if wire else header
     for off in range(0, mv.nbytes, chunk_bytes):
         part = mv[off:off + chunk_bytes]
@@ -176,7 +177,7 @@ def encode_tensor(name: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CH
     """
     check_chunk_bytes(chunk_bytes)
     dtype_name(tensor.dtype)  # fail before doing any work
-    t, mv = _payload(tensor)
+    t, mv = payload_view(tensor)
     yield from _frames(name, t, mv, xxhash.xxh3_128(mv).digest(), chunk_bytes, wire)
 
 
@@ -200,7 +201,7 @@ async def aencode_tensors(named_tensors: Mapping[str, torch.Tensor] | Iterable[t
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     for name, tensor in items:
         dtype_name(tensor.dtype)
-        t, mv = _payload(tensor)
+        t, mv = payload_view(tensor)
         if mv.nbytes >= _THREAD_HASH_BYTES:
             digest = await asyncio.to_thread(lambda: xxhash.xxh3_128(mv).digest())
         else:

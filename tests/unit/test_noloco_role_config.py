@@ -22,11 +22,16 @@ def test_defaults_and_overrides_validate():
     ({"data": {"batch_size": 0}}, "data.batch_size"),
     ({"noloco": {"outer": "noloco", "group_size": 1}}, "noloco"),
     ({"noloco": {"pairing": "matchmaking", "round_timeout": 30}}, "noloco"),
+    ({"noloco": {"group_size": 4}}, "pairs only"),  # the role would silently pair anyway
 ])
 def test_bad_sections_name_the_field(sections, field):
     with pytest.raises(ConfigError) as exc:
         NoLoCoRole.validate_config(_cfg(**sections))
     assert field in str(exc.value)
+
+
+def test_diloco_runs_with_its_implicit_global_group():
+    assert NoLoCoRole.validate_config(_cfg(noloco={"outer": "diloco"})).noloco.outer == "diloco"
 
 
 def test_namespaces_register_the_roster():
