@@ -13,7 +13,7 @@ from __future__ import annotations
 
 MiB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 8 * MiB
-DEFAULT_CHUNK_BYTES = 4 * MiB
+MAX_CHUNK_BYTES = 4 * MiB  # = protocol.codec.MAX_CHUNK_BYTES (not imported: the codec pulls in torch)
 
 CLIENT_KEEPALIVE_TIME_MS = 30_000
 CLIENT_KEEPALIVE_TIMEOUT_MS = 10_000
@@ -34,9 +34,9 @@ _STREAMING = [
 
 
 def _check(max_message_bytes: int) -> int:
-    if not isinstance(max_message_bytes, int) or max_message_bytes < DEFAULT_CHUNK_BYTES + 4096:
+    if not isinstance(max_message_bytes, int) or max_message_bytes < MAX_CHUNK_BYTES + 4096:
         raise ValueError(f"grpc.max_message_bytes={max_message_bytes!r} must be an int above the "
-                         f"largest chunk ({DEFAULT_CHUNK_BYTES} bytes plus framing); stream large "
+                         f"largest chunk ({MAX_CHUNK_BYTES} bytes plus framing); stream large "
                          "payloads instead of lowering chunks below 1 MiB")
     return max_message_bytes
 

@@ -315,3 +315,8 @@ def test_check_finite():
 def test_rejection_reason_is_validated():
     with pytest.raises(ValueError):
         TensorRejected("oops", "x")
+
+
+def test_grpc_options_mirror_the_codec_chunk_cap():
+    from protocol import grpc_options
+    assert grpc_options.MAX_CHUNK_BYTES == codec.MAX_CHUNK_BYTES
