@@ -1,0 +1,198 @@
+"""The SkipPipe schedule: its data model, canonical JSON and the validator (pipeline.md §2.2-2.3).
+
+Owns `Schedule` (partitions, one node path per microbatch, rules, epoch, expected makespan, cost
+hash), its canonical JSON + sha256 (what the coordinator publishes), the successor/predecessor
+maps a stage uses to source-route a microbatch and return its gradient, and
+`validate_schedule`, which refuses a schedule that breaks a rule before anyone uses it, raising
+`ScheduleViolation` naming the rule (R1-R5, P5, STRUCT). Building schedules (the SkipPipe search
+and the two baselines) is in pipeline/search.py; allocation in pipeline/allocation.py. Pure
+functions: no grpc, hivemind, node or torch code.
+
+Microbatch table: microbatch `seq` of originator `o` follows the `seq`-th path whose first node
+is `o` (so `path_id(o, seq)`); every originator has the same number of microbatches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pipeline.cluster import Cluster
+from pipeline.paths import RULE_NAMES, PathRules, stage_violation
+
+Partition = tuple[tuple[int, ...], ...]
+
+
+class ScheduleViolation(ValueError):
+    """A schedule breaks a SkipPipe rule; `.rule` is its id (R1..R5, P5, STRUCT)."""
+
+    def __init__(self, rule: str, detail: str):
+        self.rule, self.detail = rule, detail
+        super().__init__(f"schedule refused: {rule} ({RULE_NAMES.get(rule, '?')}): {detail}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    partitions: Partition
+    """partitions[s] = node indices serving stage s; stage 0 nodes are the originators."""
+    paths: tuple[tuple[int, ...], ...]
+    """path_id -> node path [originator, hop 1, ...]; the return to the originator is implicit."""
+    rules: PathRules
+    epoch: int = 0
+    expected_makespan: float = 0.0
+    """Simulated iteration seconds (pipeline/simulator.py) on the cost model it was planned on."""
+    cost_hash: str = ""
+    """Cluster.cost_hash() of that cost model."""
+    method: str = ""
+    """"skippipe", "random" or "full" (which builder made it)."""
+    names: tuple[str, ...] = field(default=())
+    """Optional node names (peer IDs) by index, for the coordinator."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "partitions", tuple(tuple(int(x) for x in g)
+                                                     for g in self.partitions))
+        object.__setattr__(self, "paths", tuple(tuple(int(x) for x in p) for p in self.paths))
+        object.__setattr__(self, "names", tuple(self.names))
+
+    # --- lookups a stage uses -------------------------------------------------------------
+    def stage_of(self, node: int) -> int:
+        for s, group in enumerate(self.partitions):
+            if node in group:
+                return s
+        raise KeyError(f"node {node} is not in any stage of this schedule")
+
+    def stages(self, path_id: int) -> tuple[int, ...]:
+        return tuple(self.stage_of(x) for x in self.paths[path_id])
+
+    @property
+    def origins(self) -> tuple[int, ...]:
+        return self.partitions[0]
+
+    def path_ids(self, origin: int) -> list[int]:
+        return [i for i, p in enumerate(self.paths) if p[0] == origin]
+
+    @property
+    def mb_per_origin(self) -> int:
+        return len(self.path_ids(self.origins[0])) if self.origins else 0
+
+    def path_id(self, origin: int, seq: int) -> int:
+        ids = self.path_ids(origin)
+        if not 0 <= seq < len(ids):
+            raise KeyError(f"originator {origin} has {len(ids)} microbatches; no seq {seq}")
+        return ids[seq]
+
+    def microbatches(self) -> list[tuple[int, int, int]]:
+        """(originator, seq, path_id) for every microbatch of the iteration."""
+        return [(o, seq, pid) for o in self.origins for seq, pid in enumerate(self.path_ids(o))]
+
+    def successor(self, path_id: int, hop: int) -> int:
+        """Node that receives the forward after `hop` (the originator after the last hop)."""
+        path = self.paths[path_id]
+        return path[hop + 1] if hop + 1 < len(path) else path[0]
+
+    def predecessor(self, path_id: int, hop: int) -> int:
+        """Node that sent hop `hop` its forward, i.e. where its gradient goes (hop 0: none)."""
+        if hop == 0:
+            raise ValueError("hop 0 is the originator: its input is the data, not a node")
+        return self.paths[path_id][hop - 1]
+
+    def routes(self, node: int) -> dict[int, tuple[int, int, int]]:
+        """For each path through `node`: path_id -> (hop, predecessor, successor)."""
+        out = {}
+        for pid, path in enumerate(self.paths):
+            for hop, x in enumerate(path):
+                if x == node and hop > 0:
+                    out[pid] = (hop, path[hop - 1], self.successor(pid, hop))
+        return out
+
+    def stage_visits(self) -> Counter:
+        return Counter(s for pid in range(len(self.paths)) for s in self.stages(pid)[1:])
+
+    def node_visits(self) -> Counter:
+        return Counter(x for p in self.paths for x in p[1:])
+
+    # --- canonical form --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "method": self.method, "rules": self.rules.as_dict(),
+                "partitions": [list(g) for g in self.partitions],
+                "paths": {str(i): list(p) for i, p in enumerate(self.paths)},
+                "microbatches": [list(m) for m in self.microbatches()],
+                "expected_makespan": round(self.expected_makespan, 6),
+                "cost_hash": self.cost_hash, "names": list(self.names)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        """Parse (JSON only, never pickle); call validate_schedule before use."""
+        try:
+            d = json.loads(text)
+            paths = [d["paths"][str(i)] for i in range(len(d["paths"]))]
+            return cls(partitions=d["partitions"], paths=paths, rules=PathRules(**d["rules"]),
+                       epoch=int(d["epoch"]), expected_makespan=float(d["expected_makespan"]),
+                       cost_hash=str(d["cost_hash"]), method=str(d.get("method", "")),
+                       names=tuple(d.get("names", ())))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ScheduleViolation("STRUCT", f"malformed schedule JSON: {exc!r}") from exc
+
+
+def stage_quota(n_microbatches: int, rules: PathRules) -> int:
+    """Visits every stage s >= 1 gets under exact balance (R5); raises if none is possible."""
+    total = n_microbatches * (rules.L - 1)
+    if total % (rules.S - 1):
+        raise ScheduleViolation(
+            "R5", f"{n_microbatches} microbatches x {rules.L - 1} stages = {total} visits cannot "
+                  f"split equally over {rules.S - 1} stages; pick the microbatch count so "
+                  f"S-1={rules.S - 1} divides microbatches x (L-1)")
+    return total // (rules.S - 1)
+
+
+def validate_schedule(schedule: Schedule, cluster: Cluster | None = None) -> Schedule:
+    """Return `schedule` if it obeys every rule, else raise ScheduleViolation naming the first
+    broken one. With `cluster`, node indices and the memory cap (R5) are checked too."""
+    rules, parts = schedule.rules, schedule.partitions
+    if len(parts) != rules.S:
+        raise ScheduleViolation("STRUCT", f"{len(parts)} partitions but rules.S={rules.S}")
+    if any(not g for g in parts):
+        raise ScheduleViolation("STRUCT", "a stage has no node; every stage needs >= 1 node")
+    flat = [x for g in parts for x in g]
+    if len(set(flat)) != len(flat):
+        raise ScheduleViolation("STRUCT", "a node serves two stages (or is listed twice)")
+    if cluster is not None and any(not 0 <= x < cluster.n for x in flat):
+        raise ScheduleViolation("STRUCT", f"partitions name nodes outside [0, {cluster.n})")
+    if not schedule.paths:
+        raise ScheduleViolation("STRUCT", "schedule has no paths")
+    stage_of = {x: s for s, g in enumerate(parts) for x in g}
+    for pid, path in enumerate(schedule.paths):
+        if path[0] not in parts[0]:
+            raise ScheduleViolation("R1", f"path {pid} {list(path)} starts at node {path[0]}, "
+                                          "which is not a stage-0 originator")
+        for hop, x in enumerate(path):
+            if x not in stage_of:
+                raise ScheduleViolation("P5", f"path {pid} hop {hop}: node {x} serves no stage")
+        bad = stage_violation(tuple(stage_of[x] for x in path), rules)
+        if bad is not None:
+            raise ScheduleViolation(bad[0], f"path {pid} (nodes {list(path)}): {bad[1]}")
+    counts = Counter(p[0] for p in schedule.paths)
+    per_origin = {o: counts.get(o, 0) for o in parts[0]}
+    if len(set(per_origin.values())) != 1:
+        raise ScheduleViolation("STRUCT", f"originators have unequal microbatch counts "
+                                          f"{per_origin}; give each the same mb_per_origin")
+    quota = stage_quota(len(schedule.paths), rules)
+    visits = schedule.stage_visits()
+    for s in range(1, rules.S):
+        if visits.get(s, 0) != quota:
+            raise ScheduleViolation("R5", f"stage {s} gets {visits.get(s, 0)} visits, expected "
+                                          f"{quota} on every stage >= 1 ({dict(visits)})")
+    if cluster is not None and rules.cap_visits_by_memory:
+        for x, v in schedule.node_visits().items():
+            if v > cluster.memory[x]:
+                raise ScheduleViolation("R5", f"node {x} (stage {stage_of[x]}) is visited {v} "
+                                              f"times > its memory {cluster.memory[x]}")
+    return schedule

@@ -1,0 +1,169 @@
+"""Discrete-event simulator of one SkipPipe iteration (pipeline.md §2.4).
+
+Owns `simulate`: given a `Cluster` and one node path per microbatch, it predicts the iteration
+makespan, per-node busy/idle time, queueing delay and deferrals, using the official semantics
+with a priority queue instead of the official 10,000-bucket sweep. It does not choose paths
+(pipeline/schedule.py) and knows nothing of the network or torch.
+
+Semantics, per microbatch with node path [o, n1, ..., n_{L-1}] (o = its stage-0 originator):
+forward w[o] at o, then w[n_i] at each hop, back to o for the loss (0.25 w[o]), then backward
+1.5 w down the exact reversed path (each gradient goes to the hop's predecessor), ending with
+1.5 w[o] at o. Each hop's send costs c[x][y]. A node computes one thing at a time (TC2), taking
+ready work in (ready time, arrival) order; a forward needs a free slot of the node's memory
+window (a slot is held from that hop's forward start to its backward end) and is deferred until
+one frees (TC1; backwards and the loss never wait for a slot). After each compute the node
+stays busy for `gap_local` (next hop on the same node) or `gap_network` seconds. Makespan = the
+latest backward completion at any originator. All microbatches of an origin are ready at t = 0,
+in their order in `paths`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from pipeline.cluster import Cluster
+
+FWD, LOSS, BWD = "F", "LOSS", "B"
+
+
+class SimulationDeadlock(RuntimeError):
+    """Every remaining forward waits for a memory slot held by a microbatch that cannot finish."""
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy_s: dict[int, float]
+    """Compute seconds per node that appears in a path."""
+    idle_s: dict[int, float]
+    """makespan - busy seconds, per node that appears in a path."""
+    idle_fraction: float
+    """Sum of idle seconds / (nodes x makespan)."""
+    queueing_s: float
+    """Sum over all computes of (start - ready)."""
+    deferred: int
+    """Forwards that found their node's memory window full at least once (TC1)."""
+    max_in_flight: dict[int, int]
+    intervals: dict[int, list[tuple[float, float, str, int, int]]] = field(repr=False)
+    """Per node: (start, end, kind, microbatch, hop) of every compute, in start order."""
+    completion: list[float] = field(repr=False, default_factory=list)
+    """Per microbatch: when its last backward finished at the originator."""
+
+    @property
+    def mean_completion(self) -> float:
+        return sum(self.completion) / max(1, len(self.completion))
+
+
+def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], *,
+             gap_local: float = 0.0, gap_network: float = 0.0,
+             exclusive: bool = True) -> SimResult:
+    """Simulate one iteration. `exclusive=False` lets a node overlap computes (no collision
+    model: the "non-ca" estimate); every real prediction uses the default True."""
+    paths = [tuple(p) for p in paths]
+    for m, p in enumerate(paths):
+        if len(p) < 2:
+            raise ValueError(f"microbatch {m}: path {list(p)} needs an originator and >= 1 hop")
+        if any(not 0 <= x < cluster.n for x in p):
+            raise ValueError(f"microbatch {m}: path {list(p)} names a node outside "
+                             f"[0, {cluster.n})")
+    nodes = sorted({x for p in paths for x in p})
+    ready: dict[int, list[tuple[float, int, tuple]]] = {x: [] for x in nodes}
+    running = {x: 0 for x in nodes}
+    in_flight = {x: 0 for x in nodes}
+    max_in_flight = {x: 0 for x in nodes}
+    busy = {x: 0.0 for x in nodes}
+    intervals: dict[int, list] = {x: [] for x in nodes}
+    completion = [0.0] * len(paths)
+    deferred: set[tuple[int, int]] = set()
+    queueing = 0.0
+    events: list[tuple] = []
+    seq = 0
+
+    def push(t: float, kind: str, x: int, task: tuple | None = None) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, x, task))
+        seq += 1
+
+    def duration(x: int, kind: str) -> float:
+        if kind == FWD:
+            return cluster.forward_s(x)
+        return cluster.loss_s(x) if kind == LOSS else cluster.backward_s(x)
+
+    def next_task(task: tuple) -> tuple | None:
+        """(node, task) of the compute that follows `task`, or None when the microbatch is done."""
+        m, hop, kind = task
+        path = paths[m]
+        if kind == FWD:
+            if hop + 1 < len(path):
+                return path[hop + 1], (m, hop + 1, FWD)
+            return path[0], (m, 0, LOSS)
+        if kind == LOSS:
+            return path[-1], (m, len(path) - 1, BWD)
+        return (path[hop - 1], (m, hop - 1, BWD)) if hop > 0 else None
+
+    def try_start(x: int, t: float) -> None:
+        nonlocal queueing
+        while ready[x] and (not exclusive or running[x] == 0):
+            pick = None
+            for i, (rt, s, task) in enumerate(ready[x]):
+                if task[2] == FWD and in_flight[x] >= cluster.memory[x]:
+                    deferred.add((task[0], task[1]))
+                    continue
+                if pick is None or (rt, s) < ready[x][pick][:2]:
+                    pick = i
+            if pick is None:
+                return
+            rt, _, task = ready[x].pop(pick)
+            if task[2] == FWD:
+                in_flight[x] += 1
+                max_in_flight[x] = max(max_in_flight[x], in_flight[x])
+            end = t + duration(x, task[2])
+            queueing += t - rt
+            running[x] += 1
+            intervals[x].append((t, end, task[2], task[0], task[1]))
+            busy[x] += end - t
+            push(end, "done", x, task)
+
+    for m, p in enumerate(paths):
+        push(0.0, "arrive", p[0], (m, 0, FWD))
+    done = 0
+    while events:
+        t, _, kind, x, task = heapq.heappop(events)
+        if kind == "arrive":
+            ready[x].append((t, seq, task))
+            seq += 1
+            try_start(x, t)
+        elif kind == "free":
+            running[x] -= 1
+            try_start(x, t)
+        else:                                           # a compute finished
+            if task[2] == BWD:
+                in_flight[x] -= 1
+            nxt = next_task(task)
+            if nxt is None:
+                completion[task[0]] = t
+                done += 1
+                gap = gap_local
+            else:
+                y, ntask = nxt
+                push(t + cluster.send_s(x, y), "arrive", y, ntask)
+                gap = gap_local if y == x else gap_network
+            if gap > 0:
+                push(t + gap, "free", x)
+            else:
+                running[x] -= 1
+                try_start(x, t)
+    if done < len(paths):
+        stuck = {x: [task for _, _, task in ready[x]] for x in nodes if ready[x]}
+        raise SimulationDeadlock(
+            f"{len(paths) - done} of {len(paths)} microbatches never finished: forwards wait for "
+            f"memory slots held by microbatches that cannot progress (waiting per node: "
+            f"{ {x: len(v) for x, v in stuck.items()} }). Raise memory, or keep crossed swapped "
+            "paths within the memory cap (PathRules.cap_visits_by_memory)")
+    makespan = max(completion) if completion else 0.0
+    idle = {x: max(0.0, makespan - busy[x]) for x in nodes}
+    frac = sum(idle.values()) / (len(nodes) * makespan) if makespan > 0 else 0.0
+    return SimResult(makespan=makespan, busy_s=busy, idle_s=idle, idle_fraction=frac,
+                     queueing_s=queueing, deferred=len(deferred), max_in_flight=max_in_flight,
+                     intervals=intervals, completion=completion)
