@@ -1,7 +1,7 @@
 """NoLoCo vs DiLoCo convergence, single process (noloco.md §5.1).
 
-W replicas of the tiny `models/` LLaMA train side by side with real inner Adam (warm-up + cosine,
-clip 1.0) and the real `optimizers/` outer code; the "exchange" is an exact in-memory group mean
+W replicas of the tiny `models/` LLaMA train side by side with the real inner optimizer
+(models/optim.py: AdamW, warm-up + cosine, clip 1.0) and the real `optimizers/` outer code; the "exchange" is an exact in-memory group mean
 (deterministic). Every run uses the same seed, initial weights, data shards and validation batches.
 
 Runs (pick with --runs):
@@ -44,12 +44,10 @@ import torch
 if __package__ in (None, ""):  # allow `python benchmarks/noloco_convergence.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from optimizers.config import InnerConfig  # noqa: E402
+from models.optim import InnerConfig, build_optimizer, inner_lr_scheduler, inner_step  # noqa: E402
 from optimizers.diloco import DiLoCoOuter  # noqa: E402
 from optimizers.grouping import groups_for_roster  # noqa: E402
-from optimizers.inner import inner_step  # noqa: E402
 from optimizers.noloco import NoLoCoOuter, copy_into, replica_spread  # noqa: E402
-from optimizers.schedule import inner_lr_scheduler  # noqa: E402
 
 # name -> (outer kind, options, H in the full setting [code defaults of noloco.md §2.6])
 RUNS: dict[str, tuple[str, dict[str, Any], int]] = {
@@ -98,8 +96,7 @@ def _train_one(name: str, W: int, H: int, steps: int, seed: int, model_cfg, corp
     models = [copy.deepcopy(base) for _ in range(n_models)]
     params = [list(m.parameters()) for m in models]
     P = sum(p.numel() for p in params[0])
-    adams = [torch.optim.Adam(ps, lr=inner.lr, betas=inner.betas, eps=inner.eps,
-                              weight_decay=inner.weight_decay) for ps in params]
+    adams = [build_optimizer(ps, inner) for ps in params]
     scheds = [inner_lr_scheduler(a, inner) for a in adams]
     streams = [batches(corpus.train, batch_size, seq_len, seed=seed, shard=w, num_shards=W,
                        layout=layout) for w in range(W)]

@@ -302,16 +302,14 @@ def _train(sched: Schedule, method: str, W: int, H: int, rounds: int, seed: int,
 
     from models.corpus import batches, evaluate
     from models.llama import build_model
+    from models.optim import build_optimizer, inner_lr_scheduler, inner_step
     from optimizers.diloco import DiLoCoOuter
-    from optimizers.inner import inner_step
     from optimizers.noloco import NoLoCoOuter, copy_into, replica_spread
-    from optimizers.schedule import inner_lr_scheduler
 
     base = build_model(model_cfg, seed)
     models = [copy.deepcopy(base) for _ in range(W)]
     params = [list(m.parameters()) for m in models]
-    adams = [torch.optim.Adam(ps, lr=inner.lr, betas=inner.betas, eps=inner.eps,
-                              weight_decay=inner.weight_decay) for ps in params]
+    adams = [build_optimizer(ps, inner) for ps in params]
     scheds = [inner_lr_scheduler(a, inner) for a in adams]
     streams = [batches(corpus.train, batch_size, seq_len, seed=seed, shard=w, num_shards=W)
                for w in range(W)]
@@ -411,7 +409,7 @@ def run_sim(quick: bool = True, W: Sequence[int] | None = None, methods: Sequenc
 
     from models.config import DataConfig, ModelConfig
     from models.corpus import eval_batches, load_corpus
-    from optimizers.config import InnerConfig
+    from models.optim import InnerConfig
 
     preset = QUICK if quick else FULL
     W_list = tuple(W or preset["W"])

@@ -2,7 +2,7 @@
 
 Composes
   1. benchmarks/noloco_swarm_sim.py: W = 4, 8, 16 workers with REAL training (tiny LLaMA, real
-     inner Adam, real NoLoCoOuter / DiLoCoOuter, exact in-memory means) on a simulated
+     inner AdamW, real NoLoCoOuter / DiLoCoOuter, exact in-memory means) on a simulated
      heterogeneous WAN swarm in VIRTUAL time (modelled compute speeds 1x-2x, modelled links
      20-150 ms / 50-500 Mbit/s through node/netem.py's formulas, 64 MiB model for timing);
   2. benchmarks/exchange_speed.py: one MEASURED exchange of a 64 MiB fp32 model between two

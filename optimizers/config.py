@@ -12,9 +12,11 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-__all__ = ["InnerConfig", "NoLoCoConfig", "HASHED_FIELDS"]
+from models.optim import InnerConfig
+
+__all__ = ["InnerConfig", "NoLoCoConfig", "HASHED_FIELDS", "DEFAULT_OUTER_MOMENTUM"]
 
 # Fields whose values must agree between peers that average together (noloco.md §3.3, §3.6).
 HASHED_FIELDS: tuple[str, ...] = (
@@ -23,57 +25,10 @@ HASHED_FIELDS: tuple[str, ...] = (
 )
 _HASH_VERSION = "noloco-cfg-v1"
 
-
-class InnerConfig(BaseModel):
-    """Inner (local) optimizer: Adam with linear warm-up, then cosine decay to `min_lr_ratio`."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    lr: float = Field(6e-4, gt=0)
-    """Peak inner learning rate. The official values are 6e-4 ("125M"), 2e-4 ("1.3B") and
-    1.2e-4 ("6.8B"). Lower it if `swarmnode_train_loss` spikes right after warm-up; tiny CPU demo
-    models tolerate ~1e-3 to 3e-3."""
-
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas. The DiLoCo-Nesterov recipe uses (0.9, 0.95); keep (0.9, 0.999) for NoLoCo."""
-
-    eps: float = Field(1e-8, gt=0)
-    """Adam epsilon. Raise (e.g. 1e-6) only if bf16 training shows NaNs in the inner step."""
-
-    weight_decay: float = Field(0.0, ge=0)
-    """Decoupled weight decay (AdamW when > 0). NoLoCo and heavy-ball DiLoCo use 0; the
-    DiLoCo-Nesterov recipe uses 0.1."""
-
-    clip_norm: float | None = Field(1.0, gt=0)
-    """Global gradient-norm clip applied before every inner step; None disables it. Only change
-    it together with the learning rate."""
-
-    warmup: int = Field(50, ge=0)
-    """Inner steps of linear LR warm-up (official 1000; demo 50). Raise it if the loss diverges
-    in the first few hundred steps."""
-
-    total_steps: int = Field(2000, ge=1)
-    """Inner step at which the cosine reaches `min_lr_ratio * lr` (official 25,000; demo 2000).
-    Set it to the planned run length; after it the LR stays at the floor."""
-
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    """Final LR as a fraction of `lr` (0.1 for NoLoCo/heavy-ball DiLoCo, 0 for DiLoCo-Nesterov)."""
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError(
-                f"inner.betas={v} must both lie in [0, 1); the default is (0.9, 0.999)")
-        return v
-
-    @model_validator(mode="after")
-    def _warmup_fits(self) -> "InnerConfig":
-        if self.warmup > self.total_steps:
-            raise ValueError(
-                f"inner.warmup={self.warmup} exceeds inner.total_steps={self.total_steps}; "
-                "lower warmup or raise total_steps to the planned run length")
-        return self
+# outer_momentum when the config leaves it unset, per outer form (noloco.md §2.5-2.6): NoLoCo's
+# alpha 0.5; heavy-ball DiLoCo mu 0.3 (the NoLoCo authors' baseline); Nesterov DiLoCo mu 0.9 (the
+# DiLoCo paper). Keys: "noloco", or the diloco_momentum form.
+DEFAULT_OUTER_MOMENTUM: dict[str, float] = {"noloco": 0.5, "heavyball": 0.3, "nesterov": 0.9}
 
 
 class NoLoCoConfig(BaseModel):
@@ -90,7 +45,7 @@ class NoLoCoConfig(BaseModel):
     diloco_momentum: Literal["heavyball", "nesterov"] = "heavyball"
     """DiLoCo momentum form (only used with outer = diloco). `heavyball` is the NoLoCo repo's
     baseline and what NoLoCo reduces to; `nesterov` is the DiLoCo paper / OpenDiLoCo update
-    (torch SGD nesterov=True; use outer_momentum 0.9 with it)."""
+    (torch SGD nesterov=True). Each form brings its own outer_momentum default (0.3 / 0.9)."""
 
     inner_steps: int = Field(20, ge=1)
     """H: inner steps between outer steps (demo 20; NoLoCo 50, heavy-ball DiLoCo 100,
@@ -102,13 +57,21 @@ class NoLoCoConfig(BaseModel):
     consensus = "tied" it is also gamma. 0.7 in every reference recipe."""
 
     outer_momentum: float = Field(0.5, ge=0, lt=1)
-    """alpha (NoLoCo) / mu (DiLoCo): outer momentum. NoLoCo 0.5, heavy-ball DiLoCo 0.3,
-    Nesterov DiLoCo 0.9. Lower it if the outer update norm oscillates between rounds."""
+    """alpha (NoLoCo) / mu (DiLoCo): outer momentum. Left unset, the form's default applies
+    (`DEFAULT_OUTER_MOMENTUM`): NoLoCo 0.5, heavy-ball DiLoCo 0.3, Nesterov DiLoCo 0.9; the role
+    logs the effective value at start. Lower it if the outer update norm oscillates between
+    rounds."""
 
     consensus: Literal["tied"] | float = "tied"
     """gamma, the pull of this worker's phi toward its group's mean phi. "tied" (default, as in
     the official code) means gamma = outer_lr and only theta is exchanged; a float in [0, 2)
     (ablations, e.g. 0.0) doubles the traffic because phi must be exchanged too. NoLoCo only."""
+
+    outer_state_device: Literal["device", "host"] = "device"
+    """Where the outer state (phi and the outer momentum m, always fp32) lives: "device" (default,
+    next to the model: no copies per round) or "host" (CPU RAM) to save two model-sized fp32
+    buffers of GPU memory on a tight card, at the cost of a device->host copy per outer step.
+    Ignored on CPU-only nodes. Local to this worker (not part of `cfg_hash`)."""
 
     group_size: int | Literal["all"] = 2
     """k: target group size for NoLoCo (pairs in every paper experiment). "all" makes NoLoCo a
@@ -163,7 +126,9 @@ class NoLoCoConfig(BaseModel):
     """Validation batches per evaluation. Raise it if `swarmnode_eval_loss` is too noisy."""
 
     inner: InnerConfig = Field(default_factory=InnerConfig)
-    """Inner optimizer (Adam) and its LR schedule."""
+    """Inner optimizer (AdamW, models/optim.py) and its LR schedule."""
+
+    _momentum_defaulted: bool = PrivateAttr(False)
 
     # ---- validators -------------------------------------------------------------------------
     @field_validator("consensus", mode="before")
@@ -187,6 +152,15 @@ class NoLoCoConfig(BaseModel):
                 "round, so gamma >= 2 diverges and gamma < 0 pushes replicas apart; use \"tied\" "
                 "or a value in [0, 1]")
         return v
+
+    @model_validator(mode="after")
+    def _form_default_momentum(self) -> "NoLoCoConfig":
+        # Runs before the checks below; an explicit outer_momentum (TOML, --set, env, kwargs)
+        # always wins. The effective value is what cfg_hash digests.
+        if "outer_momentum" not in self.model_fields_set:
+            self.outer_momentum = DEFAULT_OUTER_MOMENTUM[self.momentum_form]
+            self._momentum_defaulted = True
+        return self
 
     @model_validator(mode="after")
     def _method_consistency(self) -> "NoLoCoConfig":
@@ -222,6 +196,19 @@ class NoLoCoConfig(BaseModel):
         return self
 
     # ---- derived ----------------------------------------------------------------------------
+    @property
+    def momentum_form(self) -> str:
+        """The outer update's momentum form: "noloco", or diloco's "heavyball" / "nesterov"."""
+        return "noloco" if self.outer == "noloco" else self.diloco_momentum
+
+    @property
+    def outer_momentum_note(self) -> str:
+        """One line for the start-up log: the effective outer momentum and where it came from."""
+        form = {"noloco": "NoLoCo", "heavyball": "heavy-ball DiLoCo",
+                "nesterov": "Nesterov DiLoCo"}[self.momentum_form]
+        origin = f"the {form} default" if self._momentum_defaulted else f"set in config, {form}"
+        return f"outer_momentum={self.outer_momentum:g} ({origin})"
+
     @property
     def gamma(self) -> float:
         """The consensus coefficient actually used (outer_lr when tied)."""

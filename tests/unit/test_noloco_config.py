@@ -1,13 +1,13 @@
-"""`NoLoCoConfig` validators and `cfg_hash`, and the inner LR schedule."""
+"""`NoLoCoConfig` validators, per-form outer momentum defaults and `cfg_hash`.
 
-import math
+The inner LR schedule and optimizer are tested in tests/unit/test_inner_optim.py."""
 
 import pytest
-import torch
 from pydantic import ValidationError
 
-from optimizers.config import HASHED_FIELDS, InnerConfig, NoLoCoConfig
-from optimizers.schedule import inner_lr_scheduler, lr_at, lr_factor
+from node.config import load_config
+from optimizers.config import DEFAULT_OUTER_MOMENTUM, HASHED_FIELDS, InnerConfig, NoLoCoConfig
+from optimizers.diloco import DEFAULT_MOMENTUM
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -95,46 +95,59 @@ def test_cfg_hash_stable_and_sensitive():
         seen.add(other)
 
 
-# ---- schedule -------------------------------------------------------------------------------
-def test_lr_warmup_cosine_floor():
-    cfg = InnerConfig(lr=1e-3, warmup=10, total_steps=110, min_lr_ratio=0.1)
-    assert lr_at(0, cfg) == pytest.approx(1e-4)
-    assert lr_at(9, cfg) == pytest.approx(1e-3)
-    assert lr_at(10, cfg) == pytest.approx(1e-3)
-    assert lr_at(60, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
-    assert lr_at(110, cfg) == pytest.approx(1e-4)
-    assert lr_at(10_000, cfg) == pytest.approx(1e-4)
-    values = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
-    assert lr_factor(0, InnerConfig(warmup=0, total_steps=10)) == pytest.approx(1.0)
-    assert not any(math.isnan(lr_at(s, InnerConfig(warmup=5, total_steps=5))) for s in range(8))
+# ---- per-form outer momentum defaults --------------------------------------------------------
+@pytest.mark.parametrize("section, expected", [
+    ({}, 0.5),                                                        # NoLoCo alpha
+    ({"outer": "diloco"}, 0.3),                                       # heavy-ball DiLoCo mu
+    ({"outer": "diloco", "diloco_momentum": "heavyball"}, 0.3),
+    ({"outer": "diloco", "diloco_momentum": "nesterov"}, 0.9),        # the DiLoCo paper
+])
+def test_each_form_gets_its_momentum_default_when_unset(section, expected):
+    cfg = NoLoCoConfig.model_validate(section)
+    assert cfg.outer_momentum == expected
+    assert "default" in cfg.outer_momentum_note and f"={expected:g}" in cfg.outer_momentum_note
 
 
-def _run_sched(cfg, start, steps):
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.Adam([p], lr=123.0)
-    sched = inner_lr_scheduler(opt, cfg, start_step=start)
-    seen = []
-    for _ in range(steps):
-        seen.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return seen, sched
+@pytest.mark.parametrize("section", [
+    {"outer": "diloco", "outer_momentum": 0.5},
+    {"outer": "diloco", "diloco_momentum": "nesterov", "outer_momentum": 0.3},
+    {"outer": "noloco", "outer_momentum": 0.9},
+    {"outer": "diloco", "outer_momentum": 0.0},                       # falsy, still explicit
+])
+def test_explicit_momentum_wins(section):
+    cfg = NoLoCoConfig.model_validate(section)
+    assert cfg.outer_momentum == section["outer_momentum"]
+    assert "set in config" in cfg.outer_momentum_note
 
 
-def test_scheduler_matches_lr_at_and_resumes_identically():
-    cfg = InnerConfig(lr=2e-3, warmup=7, total_steps=60)
-    full, _ = _run_sched(cfg, 0, 60)
-    assert full == pytest.approx([lr_at(s, cfg) for s in range(60)], rel=1e-12)
-    for start in (1, 7, 33):                                       # a joiner starting at r*H
-        resumed, _ = _run_sched(cfg, start, 60 - start)
-        assert resumed == pytest.approx(full[start:], rel=1e-12)
-    # and through the scheduler's state dict
-    _, sched = _run_sched(cfg, 0, 25)
-    state = sched.state_dict()
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.Adam([p], lr=1.0)
-    sched2 = inner_lr_scheduler(opt, cfg)
-    sched2.load_state_dict(state)
-    sched2.step()                                                  # the 26th inner step is next
-    assert opt.param_groups[0]["lr"] == pytest.approx(full[26], rel=1e-12)
+def test_momentum_default_through_toml_and_set_overrides(tmp_path):
+    """The path a real node takes: a TOML file, then --set overrides, then the role's model."""
+    from optimizers.noloco_role import NoLoCoRole
+
+    toml = tmp_path / "node.toml"
+    toml.write_text('role = "noloco"\n[noloco]\nouter = "diloco"\ndiloco_momentum = "nesterov"\n')
+    s = NoLoCoRole.validate_config(load_config(toml, {}, environ={}))
+    assert s.noloco.outer_momentum == 0.9
+    s = NoLoCoRole.validate_config(load_config(toml, {"noloco": {"outer_momentum": 0.6}}, environ={}))
+    assert s.noloco.outer_momentum == 0.6
+    toml.write_text('role = "noloco"\n[noloco]\nouter = "diloco"\nouter_momentum = 0.5\n')
+    assert NoLoCoRole.validate_config(load_config(toml, {}, environ={})).noloco.outer_momentum == 0.5
+
+
+def test_hash_digests_the_effective_momentum():
+    # a peer that writes the form's default explicitly must still match one that leaves it unset
+    assert (NoLoCoConfig(outer="diloco").cfg_hash()
+            == NoLoCoConfig(outer="diloco", outer_momentum=0.3).cfg_hash())
+    assert (NoLoCoConfig(outer="diloco").cfg_hash()
+            != NoLoCoConfig(outer="diloco", outer_momentum=0.5).cfg_hash())
+
+
+def test_defaults_table_agrees_with_the_diloco_module():
+    assert {k: DEFAULT_OUTER_MOMENTUM[k] for k in DEFAULT_MOMENTUM} == DEFAULT_MOMENTUM
+
+
+def test_momentum_note_names_value_and_origin():
+    assert (NoLoCoConfig(outer="diloco", diloco_momentum="nesterov").outer_momentum_note
+            == "outer_momentum=0.9 (the Nesterov DiLoCo default)")
+    assert (NoLoCoConfig(outer_momentum=0.4).outer_momentum_note
+            == "outer_momentum=0.4 (set in config, NoLoCo)")
