@@ -1,0 +1,426 @@
+"""Daemon side of the event bus: spawn and supervise the sidecar, talk to it over gRPC.
+
+Owns :class:`EventBus`, what the daemon and roles use: ``publish(topic, data)``,
+``announce(kind, **fields)`` (a signed ``swarm`` notice), ``messages(topics)`` (an async
+iterator of :class:`Delivery` that survives sidecar restarts), ``set_peers`` (gossip addresses
+from node cards), ``snapshot()`` (peers, mesh, counters, reachability) and ``status()`` (for
+``/readyz`` details and the node card). The sidecar runs as ``python -m node.eventbus.sidecar``
+(a fresh interpreter, never a fork of this hivemind process); it is restarted with backoff
+when it dies, up to ``eventbus.restart_max`` times, after which the bus reports ``failed`` and
+roles stay on their DHT fallback. Everything the sidecar hands over is re-verified here
+(originator signature, topic, notice schema): its output carries peers' bytes.
+
+Imports grpc, msgpack and ``security.keys`` only (no hivemind, no libp2p).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import base58
+import grpc
+
+from node.eventbus import metrics as bus_metrics
+from node.eventbus.config import TOPICS, EventBusConfig
+from node.eventbus.wire import Notice, NoticeError, decode_notice, encode_notice, verify_message
+from protocol import eventbus_pb2, eventbus_pb2_grpc
+
+log = logging.getLogger("swarmnode.eventbus")
+READY_PREFIX = "EVENTBUS_READY "  # = sidecar.READY_PREFIX (not imported: the sidecar imports libp2p)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class EventBusUnavailable(RuntimeError):
+    """The sidecar is not running (starting, restarting, disabled or given up): use the DHT path."""
+
+
+@dataclass
+class Delivery:
+    """One message from a peer, its signature checked in this process."""
+
+    topic: str
+    data: bytes
+    sender: str            # base58 peer ID of the originator (signed)
+    seqno: bytes
+    received_at: float     # sidecar clock, unix seconds
+    forwarder: str = ""
+    notice: Notice | None = None   # decoded for the ``swarm`` topic
+
+
+class SidecarProcess:
+    """One run of the child process: start, wait until it serves, kill."""
+
+    def __init__(self, spec: dict[str, Any], start_timeout_s: float):
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict[str, Any] = {}
+
+    def start(self) -> dict[str, Any]:
+        """Blocking: spawn and wait for the ready line (run it in a thread)."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen([sys.executable, "-m", "node.eventbus.sidecar", json.dumps(self.spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_REPO_ROOT)
+        result: dict[str, Any] = {}
+
+        def read_ready() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith(READY_PREFIX) and not result:
+                    result.update(json.loads(line[len(READY_PREFIX):]))
+                    ready_evt.set()
+            ready_evt.set()  # EOF: the child exited
+
+        ready_evt = threading.Event()
+        threading.Thread(target=read_ready, name="eventbus-stdout", daemon=True).start()
+        if not ready_evt.wait(self.start_timeout_s) or not result:
+            code = self.proc.poll()
+            self.kill()
+            if code is None:
+                raise RuntimeError(f"event-bus sidecar did not come up within {self.start_timeout_s:g} s "
+                                   "(eventbus.start_timeout_s); see its log lines above")
+            raise RuntimeError(f"event-bus sidecar exited with code {code} during start; see its log lines "
+                               f"above (is port {self.spec['eventbus']['port']} free? eventbus.port)")
+        self.ready = result
+        return result
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        return self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # the sidecar's signal to stop
+            self.proc.wait(timeout=2.0)
+        except (subprocess.TimeoutExpired, OSError):
+            self.proc.kill()
+            self.proc.wait(timeout=5.0)
+
+
+class EventBus:
+    """The daemon's handle on its sidecar. Make it on the event loop; ``await start()``; run
+    ``supervise()`` as a background task; ``await stop()`` on drain."""
+
+    def __init__(self, cfg: EventBusConfig, *, run_id: str, key_path: str, listen_host: str,
+                 advertise_host: str | None = None, allow_insecure_key: bool = False, verbose: bool = False):
+        self.cfg, self.run_id = cfg, run_id
+        self._own_dir = cfg.socket_dir is None
+        sock_dir = Path(tempfile.mkdtemp(prefix="sn-bus-")) if self._own_dir else Path(cfg.socket_dir).expanduser()
+        sock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(sock_dir, 0o700)
+        self.socket_dir = sock_dir
+        self.socket_path = str(sock_dir / "eventbus.sock")
+        if len(self.socket_path) > 107:
+            raise ValueError(f"eventbus socket path {self.socket_path} is over 107 bytes; set a shorter "
+                             "eventbus.socket_dir")
+        self._spec = {"run_id": run_id, "key_path": key_path, "allow_insecure_key": allow_insecure_key,
+                      "listen_host": listen_host, "advertise_host": advertise_host,
+                      "announce_addrs": cfg.announce_addrs, "socket_path": self.socket_path,
+                      "eventbus": cfg.model_dump(mode="json"), "verbose": verbose}
+        self.proc: SidecarProcess | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: eventbus_pb2_grpc.EventBusStub | None = None
+        self.peer_id = ""
+        self.advertised_addrs: list[str] = []
+        self.restarts = 0
+        self.state = "stopped"        # starting | up | restarting | failed | stopped
+        self.last_error = ""
+        self._up = asyncio.Event()
+        self._stopping = False
+        self._known: dict[str, list[str]] = {}
+        self._snapshot: eventbus_pb2.PeersReply | None = None
+        self._listeners: list[Callable[[Delivery], Any]] = []
+        self.on_up: list[Callable[["EventBus"], None]] = []   # called after every (re)start
+        self.notices_seen: dict[str, tuple[str, float]] = {}   # peer -> (kind, when) of its last notice
+        self.counters = bus_metrics.BusCounters()
+        bus_metrics.register(self)
+
+    # ---- life ----
+    async def start(self) -> None:
+        """Spawn the sidecar and connect; raises RuntimeError with the reason if it cannot start."""
+        self.state = "starting"
+        proc = SidecarProcess(self._spec, self.cfg.start_timeout_s)
+        try:
+            ready = await asyncio.to_thread(proc.start)
+        except Exception as exc:
+            self.last_error = str(exc)
+            raise
+        if ready.get("hivemind_loaded"):
+            proc.kill()
+            raise RuntimeError("event-bus sidecar loaded hivemind: it must not (protobuf clash); this is a bug")
+        self.proc = proc
+        self.peer_id = ready["peer_id"]
+        self.advertised_addrs = list(ready.get("advertised_addrs") or [])
+        if self.channel is not None:
+            await self.channel.close()
+        self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}", options=[
+            ("grpc.max_receive_message_length", 4 * max(self.cfg.caps().values()) + 4096),
+            ("grpc.max_send_message_length", 4 * max(self.cfg.caps().values()) + 4096)])
+        self.stub = eventbus_pb2_grpc.EventBusStub(self.channel)
+        if self._known:
+            await self._set_peers_rpc(self._known)
+        self.state = "up"
+        self.last_error = ""
+        self._up.set()
+        for cb in list(self.on_up):
+            cb(self)
+        log.info("event-bus sidecar up (pid %s), gossip at %s", proc.pid, ", ".join(self.advertised_addrs),
+                 extra={"event": "eventbus_up", "pid": proc.pid, "addrs": self.advertised_addrs})
+
+    async def supervise(self) -> None:
+        """Restart the sidecar with backoff whenever it dies; returns when stopped or given up."""
+        while not self._stopping:
+            proc = self.proc
+            if proc is None:
+                return
+            code = await asyncio.to_thread(proc.wait)
+            if self._stopping:
+                return
+            self._up.clear()
+            self.counters.fold(self._snapshot)   # keep counters monotonic across restarts
+            self._snapshot = None
+            self.restarts += 1
+            bus_metrics.RESTARTS.inc()
+            self.state = "restarting"
+            self.last_error = f"sidecar exited with code {code}"
+            log.warning("event-bus sidecar exited (code %s); restart %d/%d", code, self.restarts,
+                        self.cfg.restart_max, extra={"event": "eventbus_restart", "code": code,
+                                                     "restarts": self.restarts})
+            delay = 0.5
+            while not self._stopping:
+                if self.restarts > self.cfg.restart_max:
+                    self.state = "failed"
+                    log.error("event-bus sidecar gave up after %d restarts; roles use the DHT fallback",
+                              self.restarts - 1, extra={"event": "eventbus_failed"})
+                    return
+                try:
+                    await self.start()
+                    break
+                except Exception as exc:  # noqa: BLE001 - retried with backoff
+                    self.last_error = str(exc)
+                    self.restarts += 1
+                    bus_metrics.RESTARTS.inc()
+                    await asyncio.sleep(delay)
+                    delay = min(self.cfg.restart_backoff_max_s, delay * 2)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._up.clear()
+        self.state = "stopped"
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+        if self.proc is not None:
+            await asyncio.to_thread(self.proc.kill)
+        if self._own_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        bus_metrics.unregister(self)
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+    async def wait_up(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # ---- calls ----
+    def _require(self) -> eventbus_pb2_grpc.EventBusStub:
+        if self.state != "up" or self.stub is None:
+            raise EventBusUnavailable(f"event bus is {self.state}" + (f" ({self.last_error})" if self.last_error else ""))
+        return self.stub
+
+    async def publish(self, topic: str, data: bytes, timeout: float = 5.0) -> eventbus_pb2.PublishReply:
+        """Gossip ``data`` on ``topic`` ("swarm" or "rollouts"). Raises :class:`EventBusUnavailable`
+        when the sidecar is down and ``ValueError`` for an unknown topic or an oversized message."""
+        if topic not in TOPICS:
+            raise ValueError(f"unknown topic {topic!r}; topics are {', '.join(TOPICS)}")
+        cap = self.cfg.caps()[topic]
+        if len(data) > cap:
+            raise ValueError(f"message of {len(data)} bytes is over the {topic} topic's cap of {cap} bytes "
+                             f"(eventbus.{topic}_max_bytes)")
+        stub = self._require()
+        try:
+            return await stub.Publish(eventbus_pb2.PublishRequest(topic=topic, data=data), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                raise EventBusUnavailable(f"event bus sidecar unavailable: {exc.details()}") from None
+            raise
+
+    async def announce(self, kind: str, timeout: float = 1.0, **fields: Any) -> bool:
+        """Publish a signed notice on ``swarm`` (drain, preemption, stage_down, ban). False when the
+        bus is down (callers have the DHT path: the node card)."""
+        if not self.up:
+            return False
+        data = encode_notice(kind, self.run_id, self.peer_id, **fields)
+        try:
+            await self.publish("swarm", data, timeout=timeout)
+            return True
+        except (EventBusUnavailable, grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            log.warning("could not gossip a %s notice: %s", kind, exc, extra={"event": "eventbus_notice_failed"})
+            return False
+
+    async def set_peers(self, peers: dict[str, list[str]]) -> None:
+        """Tell the sidecar which peers to keep connected and probe (peer ID -> gossip addrs)."""
+        peers = {p: a for p, a in peers.items() if p != self.peer_id and a}
+        self._known = peers
+        if self.up:
+            await self._set_peers_rpc(peers)
+
+    async def _set_peers_rpc(self, peers: dict[str, list[str]]) -> None:
+        assert self.stub is not None
+        req = eventbus_pb2.SetPeersRequest(peers=[eventbus_pb2.PeerAddrs(peer_id=p, addrs=a)
+                                                  for p, a in sorted(peers.items())])
+        try:
+            await self.stub.SetPeers(req, timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("SetPeers failed: %s", exc.details(), extra={"event": "eventbus_set_peers_failed"})
+
+    async def refresh(self, timeout: float = 3.0) -> eventbus_pb2.PeersReply | None:
+        """Ask the sidecar for peers, mesh, counters and reachability; cached for metrics."""
+        if not self.up or self.stub is None:
+            return None
+        try:
+            self._snapshot = await self.stub.Peers(eventbus_pb2.PeersRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return None
+        return self._snapshot
+
+    def snapshot(self) -> eventbus_pb2.PeersReply | None:
+        return self._snapshot
+
+    async def poll(self, interval_s: float = 2.0) -> None:
+        """Background task: keep the snapshot (metrics, /readyz details) fresh."""
+        while not self._stopping:
+            await self.refresh()
+            await asyncio.sleep(interval_s)
+
+    def status(self) -> dict[str, Any]:
+        """Small JSON-able summary for /readyz details and `swarmnode status`."""
+        out: dict[str, Any] = {"state": self.state, "restarts": self.restarts}
+        if self.last_error and self.state != "up":
+            out["error"] = self.last_error[:200]
+        snap = self._snapshot
+        if snap is not None:
+            out["mesh_peers"] = {t.topic: t.mesh_peers for t in snap.topics}
+            out["reachable_peers"] = sum(1 for p in snap.probes if p.reachable)
+            out["probed_peers"] = len(snap.probes)
+            sr = snap.self_reachability
+            out["reached_by"] = f"{sr.reached_by}/{sr.reporters}"
+            if sr.hint:
+                out["hint"] = sr.hint
+        return out
+
+    # ---- receiving ----
+    def on_delivery(self, callback: Callable[[Delivery], Any]) -> None:
+        """Call ``callback(delivery)`` (sync or async) for every verified message (see ``listen``)."""
+        self._listeners.append(callback)
+
+    async def listen(self) -> None:
+        """Background task: feed ``on_delivery`` listeners and track peers' notices."""
+        async for d in self.messages():
+            if d.notice is not None:
+                self.notices_seen[d.sender] = (d.notice.kind, time.time())
+                bus_metrics.NOTICES.labels(kind=d.notice.kind).inc()
+                if d.notice.kind in ("drain", "preemption"):
+                    log.info("peer %s is %s (%s)", d.sender, "draining" if d.notice.kind == "drain" else "preempted",
+                             d.notice.fields.get("trigger", ""), extra={"event": "peer_notice", "peer": d.sender,
+                                                                       "kind": d.notice.kind})
+            for cb in list(self._listeners):
+                try:
+                    r = cb(d)
+                    if asyncio.iscoroutine(r):
+                        await r
+                except Exception as exc:  # noqa: BLE001 - one bad listener must not stop the others
+                    log.warning("event-bus listener failed: %r", exc, extra={"event": "eventbus_listener_failed"})
+
+    async def messages(self, topics: tuple[str, ...] = ()) -> AsyncIterator[Delivery]:
+        """Verified deliveries on ``topics`` (short names; empty = all), across sidecar restarts.
+        Ends when the bus is stopped or has given up."""
+        for t in topics:
+            if t not in TOPICS:
+                raise ValueError(f"unknown topic {t!r}; topics are {', '.join(TOPICS)}")
+        caps = self.cfg.caps()
+        while not self._stopping and self.state != "failed":
+            if not self.up:
+                await self.wait_up(1.0)
+                continue
+            stub = self.stub
+            assert stub is not None
+            call = stub.Subscribe(eventbus_pb2.SubscribeRequest(topics=list(topics)))
+            try:
+                async for m in call:
+                    d = self._check(m, caps)
+                    if d is not None:
+                        yield d
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    log.warning("event-bus subscription failed: %s", exc.details(),
+                                extra={"event": "eventbus_subscribe_failed"})
+                await asyncio.sleep(0.1)
+            finally:
+                call.cancel()
+
+    def _check(self, m: eventbus_pb2.BusMessage, caps: dict[str, int]) -> Delivery | None:
+        """Re-verify what the sidecar handed over; count and drop what fails."""
+        topic = m.topic
+        if topic not in caps or m.full_topic != f"swarmnode/{self.run_id}/{topic}":
+            self.counters.local_drop(topic or "unknown", "wrong_topic")
+            return None
+        if len(m.data) > caps[topic]:
+            self.counters.local_drop(topic, "oversize")
+            return None
+        if not verify_message(m.from_peer, m.data, m.seqno, m.full_topic, m.signature):
+            self.counters.local_drop(topic, "bad_signature")
+            return None
+        sender = base58.b58encode(bytes(m.from_peer)).decode()
+        d = Delivery(topic=topic, data=bytes(m.data), sender=sender, seqno=bytes(m.seqno),
+                     received_at=m.received_at, forwarder=m.forwarder)
+        if topic == "swarm":
+            try:
+                d.notice = decode_notice(d.data, self.run_id, caps["swarm"])
+            except NoticeError:
+                self.counters.local_drop(topic, "invalid")
+                return None
+            if d.notice.sender != sender:
+                self.counters.local_drop(topic, "invalid")
+                return None
+        return d
+
+
+def gossip_peers_from_cards(views: list, self_peer_id: str) -> dict[str, list[str]]:
+    """Peer ID -> gossip addresses from node cards' ``gossip_addr`` detail (comma-separated)."""
+    out: dict[str, list[str]] = {}
+    for v in views:
+        if v.peer_id == self_peer_id or v.card.state in ("offline",):
+            continue
+        raw = v.card.details.get("gossip_addr")
+        if isinstance(raw, str) and raw:
+            addrs = [a.strip() for a in raw.split(",") if a.strip().startswith("/")][:4]
+            if addrs:
+                out[v.peer_id] = addrs
+    return out

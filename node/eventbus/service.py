@@ -1,0 +1,114 @@
+"""The event bus inside a running node: start it beside the role, feed it peers from node cards,
+publish the node's gossip address and reachability on its card, announce its drain.
+
+Owns the glue between :class:`node.eventbus.client.EventBus` and the daemon (card, membership,
+supervisor). One supervised task runs it all and never fails the node: a bus that cannot start
+or keeps dying ends in state ``failed`` and roles use their DHT fallback.
+
+Card details it maintains: ``gossip_addr`` (comma-separated multiaddrs peers dial for gossip)
+and ``bus_reach`` (``"<peers that reached us>/<peers that reported>"``, from their probes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from node.eventbus.client import EventBus, gossip_peers_from_cards
+
+if TYPE_CHECKING:  # pragma: no cover
+    from node.card import CardPublisher
+    from node.config import NodeConfig
+    from node.membership import Membership
+
+log = logging.getLogger("swarmnode.eventbus")
+
+
+class NodeEventBus:
+    """``bus`` is what roles use (``ctx.eventbus.bus``), None while disabled."""
+
+    def __init__(self, cfg: "NodeConfig", key_path: str, card: "CardPublisher", membership: "Membership",
+                 peer_id: str):
+        self.cfg, self.card, self.membership, self.peer_id = cfg, card, membership, peer_id
+        self.bus: EventBus | None = None
+        if cfg.eventbus.enabled:
+            self.bus = EventBus(cfg.eventbus, run_id=cfg.run_id, key_path=key_path, listen_host=cfg.host,
+                                advertise_host=cfg.grpc_host, allow_insecure_key=cfg.identity.allow_insecure_mode)
+            self.bus.on_up.append(self._publish_addr)  # a restart with port 0 changes the address
+        self._hint_logged = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.bus is not None
+
+    def status(self) -> dict[str, Any]:
+        if self.bus is None:
+            return {"state": "disabled"}
+        return self.bus.status()
+
+    async def run(self) -> None:
+        """Supervised task body: start, then keep the sidecar, snapshot, notices and peers going."""
+        bus = self.bus
+        if bus is None:
+            return
+        try:
+            await self._start_with_retries(bus)
+            if not bus.up:
+                return
+            await asyncio.gather(bus.supervise(), bus.poll(), bus.listen(), self._discover(bus))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the bus is advisory: never fail the node for it
+            bus.state, bus.last_error = "failed", repr(exc)
+            log.error("event bus stopped: %r; roles use the DHT fallback", exc, extra={"event": "eventbus_failed"})
+
+    async def _start_with_retries(self, bus: EventBus) -> None:
+        delay = 0.5
+        for attempt in range(self.cfg.eventbus.restart_max + 1):
+            try:
+                await bus.start()
+                return
+            except Exception as exc:  # noqa: BLE001 - reported and retried
+                log.warning("event-bus sidecar failed to start (%d/%d): %s", attempt + 1,
+                            self.cfg.eventbus.restart_max + 1, exc, extra={"event": "eventbus_start_failed"})
+                await asyncio.sleep(delay)
+                delay = min(self.cfg.eventbus.restart_backoff_max_s, delay * 2)
+        bus.state = "failed"
+
+    def _publish_addr(self, bus: EventBus) -> None:
+        self.card.update(publish=True, gossip_addr=",".join(bus.advertised_addrs)[:200])
+
+    async def _discover(self, bus: EventBus) -> None:
+        """Every card refresh: the run's cards -> the sidecar's peer set; our reachability -> card."""
+        from node.card import read_cards
+
+        interval = max(1.0, min(self.cfg.card.refresh_s, 5.0))
+        while bus.state not in ("failed", "stopped"):
+            dht = self.membership.dht
+            if dht is not None:
+                try:
+                    views = await read_cards(dht, self.cfg.run_id, timeout=5.0)
+                    await bus.set_peers(gossip_peers_from_cards(views, self.peer_id))
+                except Exception as exc:  # noqa: BLE001 - next round retries
+                    log.debug("event-bus discovery failed: %r", exc)
+            st = bus.status()
+            if "reached_by" in st:
+                self.card.update(bus_reach=st["reached_by"])
+            hint = st.get("hint", "")
+            if hint and hint != self._hint_logged:
+                log.warning("event bus: %s", hint, extra={"event": "eventbus_unreachable"})
+            self._hint_logged = hint
+            await asyncio.sleep(interval)
+
+    async def announce_drain(self, trigger: str) -> bool:
+        """Drain step: gossip a ``drain`` (or ``preemption``) notice so peers react before the
+        card changes or expires."""
+        if self.bus is None or not self.bus.up:
+            return False
+        kind = "preemption" if trigger in ("aws", "gcp") else "drain"
+        return await self.bus.announce(kind, trigger=trigger)
+
+    async def stop(self) -> None:
+        if self.bus is not None:
+            await self.bus.stop()
