@@ -12,6 +12,9 @@
 #   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t swarmnode:dev-cu128 .
 # or swap the runtime base for a CUDA image that provides python3.11 and pip on PATH:
 #   docker build --build-arg BASE_IMAGE=<cuda runtime image with python3.11> --build-arg TORCH_INDEX=... .
+# Run it with `docker run --gpus all ... swarmnode:dev-cu128 run --role noloco` : device.device = "auto"
+# (node/device.py) takes the first visible GPU; `--set device.device=cuda:1` / `device.precision=bf16`
+# pick another GPU / precision, and a missing GPU stops the node at start with what torch found.
 # Docker's default 64 MB /dev/shm is too small for hivemind: always pass --shm-size.
 
 ARG BASE_IMAGE=python:3.11-slim

@@ -355,3 +355,54 @@ def test_compose_healthcheck_matches_dockerfile(runtime, compose):
 def test_parser_sanity():
     parsed = parse_dockerfile('FROM x AS b\n# c\nRUN a \\\n  # inner\n  && b\nCMD ["x"]\n')
     assert parsed == [("FROM", "x AS b"), ("RUN", "a  && b"), ("CMD", '["x"]')]
+
+
+# ---- CUDA build (issue 9): the TORCH_INDEX build argument ---------------------------------
+CUDA_INDEX = re.compile(r"--build-arg TORCH_INDEX=(https://download\.pytorch\.org/whl/cu\d{3})\b")
+
+
+def _torch_install(runtime) -> str:
+    runs = [rest for i, rest in runtime if i == "RUN" and '"torch' in rest]
+    assert len(runs) == 1, f"the runtime stage needs exactly one torch install RUN, found {runs}"
+    return runs[0]
+
+
+def test_cuda_build_is_documented_and_selects_the_torch_index(runtime):
+    text = (REPO / "Dockerfile").read_text()
+    documented = CUDA_INDEX.findall(text)
+    assert documented, "the Dockerfile header must show the CUDA build (--build-arg TORCH_INDEX=.../cuNNN)"
+    args = dict(rest.partition("=")[::2] for i, rest in runtime if i == "ARG")
+    assert args.get("TORCH_INDEX") == "https://download.pytorch.org/whl/cpu", "CPU must stay the default"
+    cmd = _torch_install(runtime)
+    assert '--index-url "${TORCH_INDEX}"' in cmd
+    wheel_install = next(rest for i, rest in runtime if i == "RUN" and "/tmp/wheels/" in rest)
+    assert '--extra-index-url "${TORCH_INDEX}"' in wheel_install, \
+        "the wheel install must see the same index, or pip may swap the CUDA torch for a CPU one"
+    assert "--gpus all" in text and "device.device" in text
+
+
+def test_cuda_install_command_resolves_outside_docker(runtime, tmp_path):
+    """Expand the Dockerfile's torch install with the documented CUDA index, check its argv, then
+    resolve its requirement with pip against this machine's local wheels (no network, no GPU):
+    the range must admit a torch wheel for the image's python (3.11, x86_64)."""
+    import shlex
+    import subprocess
+    import sys
+
+    index = CUDA_INDEX.findall((REPO / "Dockerfile").read_text())[0]
+    cmd = _torch_install(runtime).replace("${TORCH_INDEX}", index)
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["pip", "install"] and argv[argv.index("--index-url") + 1] == index
+    reqs = [a for a in argv[2:] if a.startswith("torch")]
+    assert len(reqs) == 1
+    wheels = Path("/opt/wheels")
+    if not any(wheels.glob("torch-*.whl")):
+        pytest.skip("no local torch wheel to resolve against (network is off here)")
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index",
+                          "--ignore-installed", "--find-links", str(wheels), "--report", str(tmp_path / "r.json"),
+                          "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_28_x86_64",
+                          "--target", str(tmp_path / "t"), reqs[0]],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [i["metadata"]["name"] for i in report["install"]] == ["torch"]
