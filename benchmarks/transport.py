@@ -44,6 +44,9 @@ if str(ROOT) not in sys.path:
 
 MiB = 1 << 20
 SIZES_MIB = (1, 16, 256)
+STREAM_SIZES_MIB = (1, 4)
+BURST_MIB = 64            # bytes per back-to-back burst (64 x 1 MiB, 16 x 4 MiB)
+ECHO_MIB = 1              # hop latency: one 1 MiB tensor out and back
 
 
 def _tensor(size_mib: int):
@@ -76,7 +79,8 @@ async def _grpc_server(port_q, stop_ev, sizes, chunk_bytes):
             fetch, request_deserializer=weights_pb2.FetchRequest.FromString,
             response_serializer=serialize_frame)})
     server = grpc.aio.server(options=server_options())
-    server.add_generic_rpc_handlers((handler,))
+    server.add_generic_rpc_handlers((handler, _raw_handler(grpc)))
+    _add_stream_service(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     port_q.put(port)
@@ -85,38 +89,91 @@ async def _grpc_server(port_q, stop_ev, sizes, chunk_bytes):
     await server.stop(0)
 
 
+# ----------------------------------------------------------------------------- open-stream side
+# One open TensorStream (protocol/streams.py, codec + digest trailer + flow control) and raw gRPC
+# streaming of the same bytes (bytes in, bytes out, no codec: gRPC Python's own ceiling), both on
+# the server above. Requests: a small control tensor / message "burst <mib> <n>" makes the server
+# send n tensors back to back; "echo" returns the payload (hop latency).
+
+def _raw_handler(grpc):
+    payloads = {s: _tensor(s).numpy().tobytes() for s in STREAM_SIZES_MIB}
+
+    async def raw(request_iterator, context):
+        async for req in request_iterator:
+            if req.startswith(b"burst "):
+                _, mib, n = req.split()
+                data = payloads[int(mib)]
+                for _ in range(int(n)):
+                    await context.write(data)
+            else:  # echo
+                await context.write(req)
+
+    return grpc.method_handlers_generic_handler("bench.Raw", {
+        "Stream": grpc.stream_stream_rpc_method_handler(raw)})
+
+
+def _add_stream_service(server):
+    from protocol.streams import TensorStreamService, add_tensor_stream_to_server
+    tensors = {s: _tensor(s) for s in STREAM_SIZES_MIB}
+
+    async def on_stream(stream):
+        async for got in stream:
+            if got.meta.get("op") == "burst":
+                t = tensors[int(got.meta["mib"])]
+                for i in range(int(got.meta["n"])):
+                    await stream.send("t", t, {"i": str(i), "path": "0", "hop": "1"})
+            else:  # echo
+                await stream.send(got.name, got.tensor, got.meta)
+
+    svc = TensorStreamService(run_id="bench", peer_id="server", max_tensor_bytes=16 * MiB, chunk_bytes=int(os.environ.get("BENCH_CHUNK", 4 * MiB)))
+    svc.register("bench", on_stream)
+    add_tensor_stream_to_server(svc, server)
+
+
 # ----------------------------------------------------------------------------- socket side
 
 def _sock_server_main(port_q, sizes):
-    bufs = {s: memoryview(_tensor(s).numpy()).cast("B") for s in sizes}
+    """Requests are (op, MiB, n) as three little-endian u64: op 0 = send one tensor of that
+    size (fetch), 1 = send n back to back (burst), 2 = read one that size and send it back."""
+    bufs = {s: memoryview(_tensor(s).numpy()).cast("B") for s in set(sizes) | set(STREAM_SIZES_MIB)}
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with conn:
         while True:
-            req = conn.recv(8, socket.MSG_WAITALL)
-            if len(req) < 8:
+            req = conn.recv(24, socket.MSG_WAITALL)
+            if len(req) < 24:
                 return
-            (s,) = struct.unpack("<Q", req)
-            conn.sendall(bufs[s])
+            op, s, n = struct.unpack("<QQQ", req)
+            if op == 2:
+                buf = bytearray(s * MiB)
+                _recv_exact(conn, memoryview(buf))
+                conn.sendall(buf)
+            else:
+                for _ in range(n if op == 1 else 1):
+                    conn.sendall(bufs[s])
+
+
+def _recv_exact(c, mv):
+    got = 0
+    while got < len(mv):
+        n = c.recv_into(mv[got:])
+        if n == 0:
+            raise ConnectionError("socket peer closed early")
+        got += n
 
 
 def _socket_fetch(c, s, np):
-    c.sendall(struct.pack("<Q", s))
+    c.sendall(struct.pack("<QQQ", 0, s, 1))
     buf = np.empty(s * MiB, dtype=np.uint8)  # preallocated per transfer, like the codec's buffer
-    mv, got = memoryview(buf), 0
-    while got < buf.nbytes:
-        n = c.recv_into(mv[got:])
-        if n == 0:
-            raise ConnectionError("socket server closed early")
-        got += n
+    _recv_exact(c, memoryview(buf))
     return buf
 
 
 # ----------------------------------------------------------------------------- driver
 
-async def _measure(grpc_port, sock_port, sizes, repeats):
+async def _measure(grpc_port, sock_port, sizes, repeats, stream_repeats, echo_n):
     """Alternate gRPC and socket transfers per repeat so load changes hit both alike."""
     import grpc
     import numpy as np
@@ -148,11 +205,91 @@ async def _measure(grpc_port, sock_port, sizes, repeats):
                     out[s]["grpc"].append(t1 - t0)
                     out[s]["socket"].append(t2 - t1)
                 del got, buf
+        streams = await _measure_streams(ch, sock, stream_repeats, echo_n)
     sock.close()
-    return out
+    return out, streams
 
 
-def run(sizes, repeats, chunk_bytes=None):
+async def _measure_streams(ch, sock, repeats, echo_n):
+    """Back-to-back bursts on ONE open stream each (codec stream, raw gRPC, socket), alternating
+    per repeat; then echo round trips of one tensor (hop = half the round trip)."""
+    import numpy as np
+    import torch
+    from protocol.streams import open_stream
+
+    stream = await open_stream(ch, run_id="bench", sender="client", channel_name="bench",
+                               max_tensor_bytes=16 * MiB)
+    raw = ch.stream_stream("/bench.Raw/Stream")()  # bytes in, bytes out
+    out = {s: {"stream": [], "raw_grpc": [], "socket": []} for s in STREAM_SIZES_MIB}
+    ctrl = torch.zeros(1, dtype=torch.uint8)
+
+    async def burst_stream(s, n):
+        await stream.send("req", ctrl, {"op": "burst", "mib": str(s), "n": str(n)})
+        last = None
+        for i in range(n):
+            last = await stream.recv(timeout=60)
+            assert last.meta["i"] == str(i), "stream reordered tensors"
+        return last.tensor
+
+    async def burst_raw(s, n):
+        await raw.write(f"burst {s} {n}".encode())
+        for _ in range(n):
+            data = await raw.read()
+            assert len(data) == s * MiB
+
+    def burst_socket(s, n):
+        sock.sendall(struct.pack("<QQQ", 1, s, n))
+        for _ in range(n):
+            buf = np.empty(s * MiB, dtype=np.uint8)  # a fresh buffer per tensor, as the stream allocates
+            _recv_exact(sock, memoryview(buf))
+        return buf
+
+    for s in STREAM_SIZES_MIB:
+        n = BURST_MIB // s
+        for i in range(repeats + 1):  # run 0 warms up and checks the bytes
+            t0 = time.perf_counter()
+            last = await burst_stream(s, n)
+            t1 = time.perf_counter()
+            await burst_raw(s, n)
+            t2 = time.perf_counter()
+            buf = burst_socket(s, n)
+            t3 = time.perf_counter()
+            if i == 0:
+                expect = _tensor(s)
+                assert torch.equal(last, expect), "stream payload differs"
+                assert np.array_equal(buf, expect.numpy().view(np.uint8)), "socket payload differs"
+            else:
+                out[s]["stream"].append(t1 - t0)
+                out[s]["raw_grpc"].append(t2 - t1)
+                out[s]["socket"].append(t3 - t2)
+
+    echo = _tensor(ECHO_MIB)
+    echo_bytes = echo.numpy().tobytes()
+    hops = {"stream": [], "raw_grpc": [], "socket": []}
+    back = bytearray(ECHO_MIB * MiB)
+    for i in range(echo_n + 5):  # 5 warm-up round trips
+        t0 = time.perf_counter()
+        await stream.send("x", echo, {"op": "echo", "mb": str(i), "path": "0", "hop": "0"})
+        got = await stream.recv(timeout=60)
+        t1 = time.perf_counter()
+        await raw.write(echo_bytes)
+        await raw.read()
+        t2 = time.perf_counter()
+        sock.sendall(struct.pack("<QQQ", 2, ECHO_MIB, 1))
+        sock.sendall(echo_bytes)
+        _recv_exact(sock, memoryview(back))
+        t3 = time.perf_counter()
+        assert got.meta["mb"] == str(i)
+        if i >= 5:
+            hops["stream"].append((t1 - t0) / 2)
+            hops["raw_grpc"].append((t2 - t1) / 2)
+            hops["socket"].append((t3 - t2) / 2)
+    await raw.done_writing()
+    await stream.close()
+    return {"bursts": out, "hops": hops}
+
+
+def run(sizes, repeats, stream_repeats=9, echo_n=100, chunk_bytes=None):
     from protocol.codec import DEFAULT_CHUNK_BYTES
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     ctx = mp.get_context("spawn")
@@ -162,7 +299,7 @@ def run(sizes, repeats, chunk_bytes=None):
     for p in procs:
         p.start()
     try:
-        return asyncio.run(_measure(gq.get(timeout=120), sq.get(timeout=120), sizes, repeats))
+        return asyncio.run(_measure(gq.get(timeout=120), sq.get(timeout=120), sizes, repeats, stream_repeats, echo_n))
     finally:
         stop_ev.set()
         for p in procs:
@@ -177,12 +314,15 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--quick", action="store_true", help="3 repeats per size instead of 7")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)),
+                    help="fetch sizes in MiB, comma-separated (the summary's 256 MiB ratio needs 256)")
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else 7
-    sizes = list(SIZES_MIB)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
 
     t0 = time.time()
-    times = run(sizes, repeats)
+    stream_repeats = 9 if args.quick else 21
+    times, streams = run(sizes, repeats, stream_repeats, echo_n=100 if args.quick else 300)
 
     results, summary = [], {}
     for s in sizes:
@@ -197,11 +337,33 @@ def main(argv=None) -> dict:
         summary[f"grpc_vs_socket_throughput_ratio_{s}mib"] = round(g_mbs / k_mbs, 3)
         summary[f"grpc_codec_mb_s_{s}mib"] = round(g_mbs, 1)
         summary[f"socket_mb_s_{s}mib"] = round(k_mbs, 1)
+    stream_results = []
+    for s in STREAM_SIZES_MIB:
+        b = streams["bursts"][s]
+        n = BURST_MIB // s
+        mbs = {k: n * s * MiB / statistics.median(v) / 1e6 for k, v in b.items()}
+        row = {"size_mib": s, "tensors_per_burst": n, "repeats": stream_repeats,
+               **{f"{k}_s": v for k, v in b.items()}, **{f"{k}_mb_s": round(v, 1) for k, v in mbs.items()},
+               "stream_vs_raw_grpc_ratio": round(mbs["stream"] / mbs["raw_grpc"], 3),
+               "stream_vs_socket_throughput_ratio": round(mbs["stream"] / mbs["socket"], 3)}
+        stream_results.append(row)
+        summary[f"stream_vs_raw_grpc_ratio_{s}mib"] = row["stream_vs_raw_grpc_ratio"]
+        summary[f"stream_vs_socket_throughput_ratio_{s}mib"] = row["stream_vs_socket_throughput_ratio"]
+        summary[f"stream_mb_s_{s}mib"] = row["stream_mb_s"]
+        summary[f"raw_grpc_stream_mb_s_{s}mib"] = row["raw_grpc_mb_s"]
+        summary[f"socket_burst_mb_s_{s}mib"] = row["socket_mb_s"]
+    hop = {}
+    for k, v in streams["hops"].items():
+        q = statistics.quantiles(v, n=100, method="inclusive")
+        hop[k] = {"p50_ms": round(statistics.median(v) * 1e3, 3), "p99_ms": round(q[98] * 1e3, 3), "n": len(v)}
+        summary[f"{k}_hop_p50_ms_{ECHO_MIB}mib"] = hop[k]["p50_ms"]
+        summary[f"{k}_hop_p99_ms_{ECHO_MIB}mib"] = hop[k]["p99_ms"]
     from protocol.codec import CHECKSUM_ALG, DEFAULT_CHUNK_BYTES
     import grpc
     import torch
     doc = {"benchmark": "transport", "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
            "quick": args.quick, "summary": summary, "results": results,
+           "stream_results": stream_results, "hop_latency": {"tensor_mib": ECHO_MIB, **hop},
            "config": {"chunk_bytes": DEFAULT_CHUNK_BYTES, "checksum_alg": CHECKSUM_ALG,
                       "dtype": "float32", "host": "127.0.0.1", "processes": "server and client separate",
                       "grpc": grpc.__version__, "torch": torch.__version__,
@@ -215,6 +377,12 @@ def main(argv=None) -> dict:
     for r in results:
         print(f"{r['size_mib']:>5}MiB {r['grpc_codec_mb_s']:>16.1f} {r['socket_mb_s']:>12.1f} "
               f"{r['grpc_vs_socket_throughput_ratio']:>6.3f}")
+    print(f"{'open stream':>11} {'codec MB/s':>11} {'raw gRPC':>9} {'socket':>8} {'vs raw':>7} {'vs socket':>9}")
+    for r in stream_results:
+        print(f"{r['size_mib']:>8}MiB {r['stream_mb_s']:>11.1f} {r['raw_grpc_mb_s']:>9.1f} {r['socket_mb_s']:>8.1f} "
+              f"{r['stream_vs_raw_grpc_ratio']:>7.3f} {r['stream_vs_socket_throughput_ratio']:>9.3f}")
+    for k, v in hop.items():
+        print(f"hop {ECHO_MIB} MiB {k:>9}: p50 {v['p50_ms']:.3f} ms  p99 {v['p99_ms']:.3f} ms")
     print(f"wrote {args.out} in {doc['wall_s']} s")
     return doc
 

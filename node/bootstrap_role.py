@@ -1,8 +1,11 @@
-"""The ``bootstrap`` role: the swarm's stable DHT entry point and its coordinator service.
+"""The ``bootstrap`` role: the swarm's stable DHT entry point and its coordinator services.
 
 Ready as soon as it listens (it needs no peers). Serves ``Coordinator.ListNodes`` (the run's
 live node cards) and keeps ``swarmnode_swarm_nodes{role,state}`` current for dashboards.
-Later coordinator services (run manifest, SkipPipe schedules) join this servicer.
+Hosts what the other installed roles ask of it, found through their entry points and never
+named here: every role's ``bootstrap_services`` (e.g. the SkipPipe schedule service) joins its
+gRPC server, and every role's record namespaces join its DHT validator, so the bootstrap
+stores and serves those records like any peer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import grpc
 
 from node.card import CardView, read_cards
 from node.metrics import RPC_REJECTED, SWARM_NODES
-from node.roles import NodeContext, register
+from node.roles import NodeContext, RoleBase, Service, load_installed_roles, register
 from protocol import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("swarmnode.bootstrap")
@@ -43,19 +46,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 @register
-class BootstrapRole:
+class BootstrapRole(RoleBase):
     name = "bootstrap"
 
     @classmethod
-    def validate_config(cls, config: Any) -> None:
-        return None
+    def namespaces(cls, config: Any) -> list:
+        """Every other installed role's namespaces: the bootstrap validates and stores their records."""
+        out, seen = [], set()
+        for role in load_installed_roles(skip=(cls.name,)).values():
+            for ns in getattr(role, "namespaces", lambda cfg: [])(config):
+                if ns.name not in seen:
+                    seen.add(ns.name)
+                    out.append(ns)
+        return out
 
-    def __init__(self, ctx: NodeContext, role_config: Any):
-        self.ctx = ctx
-
-    def services(self):
-        return [(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(self.ctx),
-                 "swarmnode.Coordinator")]
+    def services(self) -> list[Service]:
+        hosted = [Service(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(self.ctx),
+                          "swarmnode.Coordinator")]
+        for name, role in load_installed_roles(skip=(self.name,)).items():
+            for service in getattr(role, "bootstrap_services", lambda ctx: [])(self.ctx):
+                log.info("hosting %s for role %s", service.name, name,
+                         extra={"event": "bootstrap_service", "service": service.name, "role_name": name})
+                hosted.append(Service(*service))
+        return hosted
 
     async def start(self) -> None:
         self.ctx.supervisor.spawn("swarm_census", self._census)

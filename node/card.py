@@ -1,8 +1,16 @@
-"""Node card: the signed record each node keeps fresh under ``<run>/nodes``.
+"""Node card: the signed record each node keeps fresh under ``<run>/nodes``, and swarm queries.
 
-Owns the card schema, publishing (on every lifecycle change and every ``card.refresh_s``)
-and reading the run's live cards. Does not own signing or validation
-(``security/records.py``) nor the lifecycle (``node/lifecycle.py``); it listens to the latter.
+Owns the card schema, publishing (on every lifecycle change and every ``card.refresh_s``),
+reading the run's live cards, and the queries every role asks of them:
+
+    views = await read_cards(dht, run_id)
+    peers(views, role="stage", cfg_hash=h, states=("ready",), exclude=my_peer_id) -> [CardView]
+    card_int(view, "round") -> int | None      # non-negative ints only; junk reads as None
+    card_str(view, "cfg_hash") -> str | None
+    max_card_int(peers(...), "iteration") -> int | None   # e.g. the swarm's frontier round
+
+Does not own signing or validation (``security/records.py``), the store/get plumbing
+(``node/dht_records.py``) nor the lifecycle (``node/lifecycle.py``); it listens to the latter.
 Subkey = the writer's peer ID, so a node can only ever write its own card.
 """
 
@@ -12,14 +20,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from node.config import RoleName
+from node.dht_records import read_entries_at, store_entry
 from node.lifecycle import State
-from node.metrics import DHT_REQUEST_SECONDS, DHT_REQUESTS
-from security.records import Namespace, decode_payload, record_value
+from security.records import Namespace
 
 if TYPE_CHECKING:  # pragma: no cover
     from node.config import CardConfig
@@ -37,14 +44,21 @@ class NodeCard(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: RoleName
+    role: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    """The writer's role name (any installed role: ``node/roles.py``)."""
     state: Literal["joining", "ready", "draining", "offline"]
     version: str = Field(max_length=32)
     grpc_addr: str = Field(max_length=80)
     started_at: float
     published_at: float
     details: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=16)
-    """Role details: stage index, round, model hash, ... (small scalars only)."""
+    """Role details: stage index, round, model hash, ... (small scalars only). Read them with
+    :func:`card_int` / :func:`card_str`: a peer's card may carry anything that fits the schema."""
+
+
+CFG_HASH = "cfg_hash"
+"""The role detail every training role publishes: the hash of the config that must match for
+two nodes to work together (``peers(cfg_hash=...)`` filters on it)."""
 
 
 CARD_NAMESPACE = Namespace(name="nodes", model=NodeCard, max_payload_bytes=CARD_MAX_BYTES, max_ttl_s=CARD_MAX_TTL_S)
@@ -98,18 +112,11 @@ class CardPublisher:
         if dht is None:
             return False
         ttl = SHORT_TTL_S if self.state in (State.DRAINING, State.OFFLINE) else self.cfg.ttl_s
-        from hivemind.utils import get_dht_time
-        t0 = time.perf_counter()
         try:
-            key = cards_key(self.run_id)
-            fut = dht.store(key, record_value(key, self.card()), get_dht_time() + ttl,
-                            subkey=self.peer_id, return_future=True)
-            ok = bool(await asyncio.wait_for(asyncio.wrap_future(fut), 10))
+            ok = await store_entry(dht, cards_key(self.run_id), self.peer_id, self.card(), ttl)
         except Exception as exc:  # noqa: BLE001 - counted; the next refresh retries
             log.warning("publishing node card failed: %r", exc, extra={"event": "card_publish_failed"})
             ok = False
-        DHT_REQUESTS.labels(op="store", outcome="ok" if ok else "failed").inc()
-        DHT_REQUEST_SECONDS.labels(op="store").observe(time.perf_counter() - t0)
         return ok
 
     async def run(self) -> None:
@@ -124,29 +131,60 @@ class CardPublisher:
 
 
 async def read_cards(dht: Any, run_id: str, timeout: float = 10.0, max_cards: int = 4096) -> list[CardView]:
-    """The run's live node cards (expired ones are dropped by the DHT; invalid ones by our validator)."""
-    from hivemind.utils import get_dht_time
-    t0 = time.perf_counter()
-    try:
-        fut = dht.get(cards_key(run_id), latest=True, return_future=True)
-        found = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
-        DHT_REQUESTS.labels(op="get", outcome="ok").inc()
-    except Exception:
-        DHT_REQUESTS.labels(op="get", outcome="failed").inc()
-        raise
-    finally:
-        DHT_REQUEST_SECONDS.labels(op="get").observe(time.perf_counter() - t0)
-    views: list[CardView] = []
-    if found is None or not isinstance(found.value, dict):
-        return views
-    now = get_dht_time()
-    for subkey, item in list(found.value.items())[:max_cards]:
-        if item.expiration_time < now:
-            continue
-        try:
-            card = decode_payload(item.value, NodeCard, key=cards_key(run_id))
-        except Exception:  # noqa: BLE001 - the validator should have dropped it; skip defensively
-            continue
-        views.append(CardView(peer_id=str(subkey), card=card, expiration=item.expiration_time))
+    """The run's live node cards, bootstrap first (expired ones are dropped by the DHT; invalid
+    ones by our validator, and defensively here). Raises on DHT errors and timeouts."""
+    entries = await read_entries_at(dht, cards_key(run_id), NodeCard, timeout=timeout, max_entries=max_cards)
+    views = [CardView(peer_id=pid, card=e.value, expiration=e.expiration) for pid, e in entries.items()]
     views.sort(key=lambda v: (v.card.role != "bootstrap", v.card.role, v.peer_id))
     return views
+
+
+# ---- swarm queries ----
+
+def card_int(view: CardView, key: str) -> int | None:
+    """Role detail ``key`` of a peer's card as a non-negative int; None when absent or anything
+    else (a bool, a negative number, a string, a float): a peer's junk never crashes a reader."""
+    value = view.card.details.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def card_str(view: CardView, key: str) -> str | None:
+    """Role detail ``key`` as a string; None when absent or not a string."""
+    value = view.card.details.get(key)
+    return value if isinstance(value, str) else None
+
+
+def peers(views: Iterable[CardView], *, role: str | None = None, cfg_hash: str | None = None,
+          states: Collection[str] | None = ("ready",), exclude: str | None = None,
+          unknown_cfg_ok: bool = False) -> list[CardView]:
+    """The cards that match every filter given, in input order.
+
+    :param role: only nodes of this role (usually the caller's own ``name``); None: any role.
+    :param cfg_hash: only nodes whose ``cfg_hash`` detail equals this (nodes that can work with
+        the caller); None: no config filter.
+    :param states: lifecycle states to keep (``"joining"``, ``"ready"``, ``"draining"``,
+        ``"offline"``); the default keeps READY nodes only, the ones that serve. None: any.
+    :param exclude: a peer ID to leave out (the caller's own).
+    :param unknown_cfg_ok: also keep nodes that publish no ``cfg_hash`` yet (a node publishes it
+        once its config is built): use it to count who is about to join, never to pick a donor.
+    """
+    out = []
+    for v in views:
+        if exclude is not None and v.peer_id == exclude:
+            continue
+        if role is not None and v.card.role != role:
+            continue
+        if states is not None and v.card.state not in states:
+            continue
+        if cfg_hash is not None:
+            theirs = v.card.details.get(CFG_HASH)
+            if theirs != cfg_hash and not (unknown_cfg_ok and theirs is None):
+                continue
+        out.append(v)
+    return out
+
+
+def max_card_int(views: Iterable[CardView], key: str) -> int | None:
+    """The highest valid :func:`card_int` ``key`` among ``views``; None when no card has one.
+    Filter first with :func:`peers` (e.g. the frontier round of the live peers of our config)."""
+    return max((n for n in (card_int(v, key) for v in views) if n is not None), default=None)

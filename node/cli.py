@@ -23,7 +23,7 @@ from typing import Any
 
 def _node_flags(p: argparse.ArgumentParser, with_role: bool) -> None:
     if with_role:
-        p.add_argument("--role", help="bootstrap | noloco | stage | grpo")
+        p.add_argument("--role", help="an installed role (swarmnode.roles entry points), e.g. bootstrap")
     p.add_argument("--config", help="TOML config file (see deploy/configs/)")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of live peers (…/p2p/<peer id>)")
     p.add_argument("--host", help="IP to bind (DHT, gRPC, ops HTTP)")
@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     show = isub.add_parser("show", help="print a key file's peer ID")
     show.add_argument("path")
 
+    admit = sub.add_parser("admit", help="issue an admission token (token mode) and print it base64")
+    admit.add_argument("--peer-id", required=True, help="the admitted peer's ID (12D3KooW...)")
+    admit.add_argument("--expires", default="24h", help="duration (30m, 24h, 7d) or ISO-8601 time; default 24h")
+    admit.add_argument("--roles", default="", help="comma-separated allowed roles (default: any)")
+    admit.add_argument("--identity", required=True, help="the coordinator's Ed25519 key file")
+    admit.add_argument("--run-id", required=True)
+
     demo = sub.add_parser("demo", help="run a whole local swarm on 127.0.0.1")
     demo.add_argument("--role", default=None, help="worker role (default: noloco when installed, else bootstrap)")
     demo.add_argument("--nodes", type=int, default=None, help="number of worker nodes besides the bootstrap")
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             if not args.role and not args.config:
-                print("swarmnode run: pass --role (bootstrap, noloco, stage, grpo) or a --config that sets role",
+                from node.config import installed_roles
+                print(f"swarmnode run: pass --role ({', '.join(installed_roles())}) or a --config that sets role",
                       file=sys.stderr)
                 return 2
             return cmd_run(args, None)
@@ -143,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args, "bootstrap")
         if args.cmd == "identity":
             return cmd_identity(args)
+        if args.cmd == "admit":
+            from security.admission import cmd_admit
+            return cmd_admit(args)
         if args.cmd == "status":
             from node.status import cmd_status
             return cmd_status(args)

@@ -1,11 +1,17 @@
 """Typed node configuration: defaults < TOML (``--config``) < ``SWARMNODE_*`` env < CLI.
 
-Owns the top-level :class:`NodeConfig`, the sections the daemon itself uses (identity, dht,
+Owns the top-level :data:`NodeConfig`, the sections the daemon itself uses (identity, dht,
 grpc, ops, drain, card) and the loader that turns any mistake into a :class:`ConfigError`
 naming the field and what is allowed. Sections owned by other modules (netem, preemption,
-log) are imported from them. Role sections (``[noloco]``, ``[model]``, ``[data]`` ...) are
-kept as raw tables here and validated by the role's own config class (``node/roles.py``),
-so ``node/`` never imports a role.
+log) are imported from them.
+
+Roles and their sections are not named here: ``role`` must be one of the installed roles (the
+``swarmnode.roles`` entry points) and every other top-level table is a section some installed
+package registers in the ``swarmnode.sections`` entry-point group (``name = "pkg.mod:Model"``).
+Both are read from package metadata without importing anything, so checking a config stays
+cheap (no torch). Role sections are kept as raw tables here and validated by the role that
+reads them (``RoleBase.Settings``, ``node/roles.py``); an unregistered table is refused like
+any unknown key, with the closest valid name.
 
 Env: ``SWARMNODE_OPS__PORT=9500``, lists as JSON
 (``SWARMNODE_DHT__INITIAL_PEERS='["/ip4/…/p2p/12D3KooW…"]'``). CLI: named flags and
@@ -18,19 +24,22 @@ import difflib
 import json
 import os
 import re
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from node.device import DeviceConfig
+from node.eventbus.config import EventBusConfig
 from node.logs import LogConfig
 from node.netem import NetemConfig
 from node.preemption import PreemptionConfig
 
 ENV_PREFIX = "SWARMNODE_"
-RoleName = Literal["bootstrap", "noloco", "stage", "grpo"]
-ROLES: tuple[str, ...] = get_args(RoleName)
+ROLE_GROUP = "swarmnode.roles"
+SECTION_GROUP = "swarmnode.sections"
 
 _MADDR = re.compile(
     r"^/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp/\d{1,5}|udp/\d{1,5}/quic(-v1)?)(/p2p/[1-9A-HJ-NP-Za-km-z]{40,60})$")
@@ -40,6 +49,22 @@ class ConfigError(Exception):
     """A config or usage mistake; the message names the field and the fix. Exit code 2."""
 
     exit_code = 2
+
+
+def installed_roles() -> list[str]:
+    """Names of the installed roles (``swarmnode.roles`` entry points), sorted; imports nothing."""
+    return sorted({ep.name for ep in entry_points(group=ROLE_GROUP)})
+
+
+def registered_sections() -> dict[str, str]:
+    """``{section: "pkg.mod:Model"}`` from the ``swarmnode.sections`` entry points; imports nothing."""
+    return {ep.name: ep.value for ep in sorted(entry_points(group=SECTION_GROUP), key=lambda ep: ep.name)}
+
+
+def closest(name: str, choices: list[str] | set[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 class _Section(BaseModel):
@@ -139,8 +164,9 @@ class CardConfig(_Section):
         return self
 
 
-class NodeConfig(BaseSettings):
-    """The whole effective configuration of one node."""
+class DaemonConfig(BaseSettings):
+    """The daemon's own part of a node's configuration; :data:`NodeConfig` adds the registered
+    role sections to it (``config_class``)."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid",
@@ -151,8 +177,9 @@ class NodeConfig(BaseSettings):
     run_id: str = Field("swarmnode", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """Name of the training run; nodes only see and talk to nodes of the same run."""
 
-    role: RoleName = "noloco"
-    """What this node does in the swarm."""
+    role: str | None = None
+    """What this node does in the swarm: one of the installed roles (``swarmnode run --role``;
+    ``bootstrap`` for a swarm's entry point). Required to start a node."""
 
     host: str = "0.0.0.0"
     """IP this node binds for DHT, gRPC and ops HTTP. 127.0.0.1 for a local swarm."""
@@ -178,18 +205,20 @@ class NodeConfig(BaseSettings):
     netem: NetemConfig = Field(default_factory=NetemConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    eventbus: EventBusConfig = Field(default_factory=EventBusConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
 
-    # Role-owned sections: validated by the role's config class at start (node/roles.py).
-    model: dict[str, Any] = Field(default_factory=dict)
-    """Model section, validated by the role (see models/config.py)."""
-    data: dict[str, Any] = Field(default_factory=dict)
-    """Data section, validated by the role (see models/config.py)."""
-    noloco: dict[str, Any] = Field(default_factory=dict)
-    """NoLoCo/DiLoCo section, validated by the noloco role (see optimizers/config.py)."""
-    stage: dict[str, Any] = Field(default_factory=dict)
-    """Pipeline stage section (pipeline role)."""
-    grpo: dict[str, Any] = Field(default_factory=dict)
-    """GRPO section (grpo role)."""
+    @field_validator("role")
+    @classmethod
+    def _installed_role(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        known = installed_roles()
+        if v not in known:
+            raise ValueError(f"role {v!r} is not installed{closest(v, known)} (installed roles: "
+                             f"{', '.join(known)}); a missing role means its package is not installed "
+                             "(pip install -e . in the source tree)")
+        return v
 
     @field_validator("host", "advertise_host")
     @classmethod
@@ -204,7 +233,7 @@ class NodeConfig(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _cross(self) -> "NodeConfig":
+    def _cross(self) -> "DaemonConfig":
         if self.preemption.provider == "gcp" and self.drain.budget_s > 25:
             raise ValueError(f"drain.budget_s={self.drain.budget_s} does not fit GCP's 30 s preemption window; "
                              "use 25 or less")
@@ -257,9 +286,44 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_env_names(environ: dict[str, str]) -> None:
+_CLASSES: dict[tuple[tuple[str, str], ...], type[DaemonConfig]] = {}
+
+
+def config_class() -> type[DaemonConfig]:
+    """The config model for the sections registered now: :class:`DaemonConfig` plus one raw
+    table per ``swarmnode.sections`` entry point (validated later by the role that reads it).
+    Cached per set of registrations, so installing a package that registers a section is all a
+    new role needs; nothing in ``node/`` changes."""
+    sections = registered_sections()
+    cache_key = tuple(sections.items())
+    cls = _CLASSES.get(cache_key)
+    if cls is not None:
+        return cls
+    clash = sorted(set(sections) & set(DaemonConfig.model_fields))
+    if clash:
+        raise ConfigError(f"the swarmnode.sections entry point(s) {clash} reuse a name of the daemon's own config; "
+                          "rename the role's section")
+    bad = sorted(n for n in sections if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", n))
+    if bad:
+        raise ConfigError(f"swarmnode.sections entry point name(s) {bad} are not valid section names "
+                          "(lowercase letters, digits, _)")
+    fields: dict[str, Any] = {
+        name: (dict[str, Any], Field(default_factory=dict, description=(
+            f"[{name}] section, validated by the role that reads it (schema: {target})")))
+        for name, target in sections.items()}
+    cls = create_model("NodeConfig", __base__=DaemonConfig, __module__=__name__, **fields)
+    _CLASSES[cache_key] = cls
+    return cls
+
+
+NodeConfig = config_class()
+"""The whole effective configuration of one node (the daemon's sections and, as raw tables,
+the role sections registered when this module was imported; ``load_config`` re-reads them)."""
+
+
+def _check_env_names(environ: dict[str, str], cls: type[DaemonConfig]) -> None:
     """pydantic-settings ignores a misspelt top-level SWARMNODE_* variable: refuse it instead."""
-    fields = set(NodeConfig.model_fields)
+    fields = set(cls.model_fields)
     for name in environ:
         if not name.upper().startswith(ENV_PREFIX):
             continue
@@ -271,13 +335,29 @@ def _check_env_names(environ: dict[str, str]) -> None:
                               f"(valid sections: {', '.join(sorted(fields))})")
 
 
-def format_validation_error(exc: ValidationError, source: str = "config") -> str:
+def _known_keys(model: Any, path: tuple) -> set[str] | None:
+    """Field names valid at ``path`` inside ``model`` (walking nested pydantic models)."""
+    for part in path:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return None
+        model = fields[part].annotation
+    fields = getattr(model, "model_fields", None)
+    return set(fields) if fields is not None else None
+
+
+def format_validation_error(exc: ValidationError, source: str = "config", model: Any = None) -> str:
+    """One line per error: dotted field path, what is wrong and, for an unknown key, the closest
+    valid key of ``model`` (the pydantic model that was validated) when one is close."""
     lines = [f"invalid {source}:"]
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (remove it, or check its spelling against the README's config reference)"
+            known = _known_keys(model, tuple(err["loc"][:-1])) if model is not None else None
+            hint = closest(str(err["loc"][-1]), known) if known else ""
+            msg = (f"unknown key{hint} (remove it, or check its spelling against the README's config "
+                   "reference)")
         given = err.get("input")
         shown = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(given, dict) else f" (got {given!r})"
         lines.append(f"  {loc}: {msg}{shown}")
@@ -285,10 +365,11 @@ def format_validation_error(exc: ValidationError, source: str = "config") -> str
 
 
 def load_config(config_file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
-                environ: dict[str, str] | None = None) -> NodeConfig:
+                environ: dict[str, str] | None = None) -> DaemonConfig:
     """Build the effective config. Raises :class:`ConfigError` with a readable message."""
     environ = dict(os.environ) if environ is None else environ
-    _check_env_names(environ)
+    cls = config_class()
+    _check_env_names(environ, cls)
     path = None
     if config_file is not None:
         path = Path(config_file).expanduser()
@@ -301,15 +382,15 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: dict[st
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     saved_env = {k: v for k, v in os.environ.items() if k.upper().startswith(ENV_PREFIX)}
-    NodeConfig._toml_file = path
+    cls._toml_file = path
     try:
         # pydantic-settings reads os.environ: present exactly `environ`'s SWARMNODE_* names.
         for k in saved_env:
             del os.environ[k]
         os.environ.update({k: v for k, v in environ.items() if k.upper().startswith(ENV_PREFIX)})
-        return NodeConfig(**(overrides or {}))
+        return cls(**(overrides or {}))
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, model=cls)) from None
     except ValueError as exc:  # e.g. env value that is not JSON for a list field
         hint = ""
         m = re.search(r'field "(\w+)" from source "EnvSettingsSource"', str(exc))
@@ -319,7 +400,7 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: dict[st
                     f"e.g. SWARMNODE_DHT__INITIAL_PEERS='[\"/ip4/…/p2p/12D3KooW…\"]'")
         raise ConfigError(f"invalid config: {exc}{hint}") from None
     finally:
-        NodeConfig._toml_file = None
+        cls._toml_file = None
         for k in [k for k in os.environ if k.upper().startswith(ENV_PREFIX)]:
             del os.environ[k]
         os.environ.update(saved_env)
@@ -328,7 +409,7 @@ def load_config(config_file: str | os.PathLike | None = None, overrides: dict[st
 _SECRET_WORDS = ("key", "token", "secret", "password")
 
 
-def redacted(cfg: NodeConfig) -> dict[str, Any]:
+def redacted(cfg: DaemonConfig) -> dict[str, Any]:
     """The config as a dict with secret-looking values masked (paths are kept: they are not secrets)."""
     def walk(obj: Any, name: str = "") -> Any:
         if isinstance(obj, dict):

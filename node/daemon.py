@@ -21,6 +21,7 @@ from typing import Any
 from node import metrics
 from node.card import CARD_NAMESPACE, CardPublisher
 from node.config import NodeConfig, redacted
+from node.eventbus.service import NodeEventBus
 from node.grpc_server import GrpcHost, NodeServicer
 from node.identity import ensure_identity
 from node.lifecycle import Lifecycle, State
@@ -67,6 +68,7 @@ class Node:
                                             "version": VERSION})
         namespaces = [CARD_NAMESPACE, *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
         validator = SignedRecordValidator(self.cfg.run_id, key, namespaces)
+        self.key_path = key_path
         self.membership = Membership(self.cfg, key_path, [validator])
         self.membership.start_dht()
         if self.membership.peer_id != self.peer_id:  # hivemind must have used our Ed25519 key
@@ -78,7 +80,8 @@ class Node:
     def peerinfo(self) -> dict[str, Any]:
         assert self.membership is not None
         return {"peer_id": self.peer_id, "maddrs": self.membership.visible_maddrs(),
-                "grpc_addr": self.grpc_addr, "run_id": self.cfg.run_id, "role": self.cfg.role}
+                "grpc_addr": self.grpc_addr, "run_id": self.cfg.run_id, "role": self.cfg.role,
+                "eventbus": self.eventbus.status() if getattr(self, "eventbus", None) else {"state": "starting"}}
 
     def health(self) -> tuple[bool, str]:
         if self.membership is None or not self.membership.alive():
@@ -150,16 +153,18 @@ class Node:
         self.card = CardPublisher(self.membership, cfg.card, cfg.run_id, self.peer_id, cfg.role, VERSION,
                                   self.grpc_addr, self.started_at)
         self.netem = LinkEmulator(cfg.netem, self_id=self.grpc_addr)
+        self.eventbus = NodeEventBus(cfg, self.key_path, self.card, self.membership, self.peer_id)
         ctx = NodeContext(config=cfg, peer_id=self.peer_id, lifecycle=self.lifecycle, membership=self.membership,
                           card=self.card, server=self.grpc.server, grpc_addr=self.grpc_addr,
                           supervisor=self.supervisor, netem=self.netem, set_role_ready=self.set_role_ready,
-                          request_drain=self.request_drain)
+                          request_drain=self.request_drain, eventbus=self.eventbus.bus)
         self.role = self.role_cls(ctx, self.role_cfg)
         self.grpc.add(node_pb2_grpc.add_NodeServicer_to_server, NodeServicer(self.info, self.peerinfo),
                       "swarmnode.Node")
         for add_fn, servicer, name in self.role.services():
             self.grpc.add(add_fn, servicer, name)
-        self.ops = OpsServer(cfg.host, cfg.ops.port, self.lifecycle, self.health, self.peerinfo)
+        self.ops = OpsServer(cfg.host, cfg.ops.port, self.lifecycle, self.health, self.peerinfo,
+                             details=lambda: {"eventbus": self.eventbus.status()})
         self.lifecycle.subscribe(metrics.follow_lifecycle)
         self.lifecycle.subscribe(lambda s, r, d: set_context(state=s.value))
         self.lifecycle.subscribe(self.grpc.on_state)
@@ -175,6 +180,7 @@ class Node:
         watcher = PreemptionWatcher(cfg.preemption, on_notice=self._on_preemption,
                                     on_count=lambda src: metrics.PREEMPTION_NOTICES.labels(source=src).inc())
         self.supervisor.spawn("preemption", watcher.run)
+        self.supervisor.spawn("eventbus", self.eventbus.run, restart=False)  # never fatal: see service.py
         await self.role.start()
         await self._refresh_readiness()
         await self._stop.wait()
@@ -234,6 +240,7 @@ class Node:
         t0 = time.monotonic()
         left = lambda: budget - (time.monotonic() - t0)  # noqa: E731
         await self.lifecycle.move(State.DRAINING, "draining", f"trigger: {trigger}")
+        await self._step("bus_notice", self.eventbus.announce_drain(trigger), min(1.0, left()))
         await self._step("card_draining", self.card.publish(), min(1.0, left()))
         await self._step("role", self.role.drain(max(0.0, min(budget * 0.5, left() - 5))), min(budget * 0.5, left() - 4))
         await self._step("grpc_stop", self.grpc.stop(min(self.cfg.grpc.grace_s, max(0.0, left() - 3))),
@@ -241,6 +248,7 @@ class Node:
         await self.lifecycle.move(State.OFFLINE, "offline", f"trigger: {trigger}")
         await self._step("card_offline", self.card.publish(), min(1.0, left() - 1.5))
         await self.supervisor.cancel_all(timeout=1.0)
+        await self._step("bus_stop", self.eventbus.stop(), min(2.0, max(0.5, left())))
         await self._step("dht_shutdown", asyncio.to_thread(self.membership.shutdown), min(3.0, max(0.5, left())))
         self.ops.stop()
         dt = time.monotonic() - t0

@@ -9,6 +9,7 @@ added by the daemon from ``Role.services()`` before the server starts.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Callable
@@ -87,6 +88,17 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     record(context, exc, t0)
+
+            if not inspect.isasyncgenfunction(inner):  # writes with context.write (health Watch)
+                async def wrapped(request, context):  # noqa: F811
+                    t0, exc = time.perf_counter(), None
+                    try:
+                        return await inner(request, context)
+                    except BaseException as e:
+                        exc = e
+                        raise
+                    finally:
+                        record(context, exc, t0)
 
             factory = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
         return factory(wrapped, request_deserializer=handler.request_deserializer,

@@ -33,8 +33,10 @@ class OpsServer:
     """
 
     def __init__(self, host: str, port: int, lifecycle: Lifecycle,
-                 health: Callable[[], tuple[bool, str]], peerinfo: Callable[[], dict]):
+                 health: Callable[[], tuple[bool, str]], peerinfo: Callable[[], dict],
+                 details: Callable[[], dict] | None = None):
         self.lifecycle, self._health, self._peerinfo = lifecycle, health, peerinfo
+        self._details = details  # extra /readyz facts (e.g. the event bus), cheap and thread-safe
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,6 +62,8 @@ class OpsServer:
                         state, reason, detail = outer.lifecycle.snapshot()
                         ready = state is State.READY
                         body = {"ready": ready, "state": state.value, "reason": reason, "detail": detail}
+                        if outer._details is not None:
+                            body["details"] = outer._details()
                         self._send(200 if ready else 503, json.dumps(body).encode())
                     elif path == "/peerinfo":
                         self._send(200, json.dumps(outer._peerinfo()).encode())

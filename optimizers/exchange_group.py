@@ -1,4 +1,5 @@
-"""DiLoCo group averaging (``OuterExchange.group_average``): the root's and the members' side.
+"""DiLoCo group averaging, the root's collection and the members' side
+(``OuterExchange.group_average``); the root's servicer half is ``exchange_server.py``.
 
 Policy (see ``optimizers/exchange.py`` for the whole protocol): root = lowest peer ID in the
 round's roster once it has ``expected`` entries or timeout/2 passed. Members stream their
@@ -19,127 +20,107 @@ import grpc
 
 from optimizers import exchange_common as C
 from optimizers.exchange_common import GRACE_S
-from optimizers.roster import RosterEntry
-from protocol.codec import TensorRejected
+from optimizers.exchange_link import ExchangeLink, Roster
+from protocol.codec import TensorRejected, digests
+from protocol.streams import PeerError, remaining, task
 
 log = logging.getLogger("swarmnode.noloco.exchange")
 
 
-class GroupMixin:
-    """Mixed into ``OuterExchange``; uses its helpers (_read_tensors, _mean_of, _hdr, ...)."""
+class GroupExchange:
+    """Runs one group round: as the root (collect, mean, let the servicer answer) or as a member."""
 
-    async def _serve_gather(self, st: C.Round, pid: str, it, context, wire: bool):
-        me, pre = self.peer_id, grpc.StatusCode.FAILED_PRECONDITION
-        st.arriving.add(pid)
-        fut = st.sends[pid] = asyncio.get_running_loop().create_future()
-        abort = None
+    def __init__(self, link: ExchangeLink, roster: Roster):
+        self.link, self.roster = link, roster
+
+    async def run(self, st: C.Round, expected: int, timeout: float) -> C.ExchangeResult:
+        link, loop = self.link, asyncio.get_running_loop()
+        st.collect_end = loop.time() + 0.75 * timeout
+        settle = loop.time() + timeout / 2
         try:
-            yield self._hdr(wire, st, "reply", True, mode="gather")
-            try:
-                theirs, recv = await self._read_tensors(it.__anext__, st.deadline)
-            finally:
-                st.arriving.discard(pid)  # in transit no more: the root need not wait for it
-            if st.root in (None, me) and st.mean is None and not st.closed:
-                st.contribs[pid] = theirs
-                st.received += recv
-            st.wake.set()
-            await asyncio.wait_for(st.decided.wait(), max(0.0, C.remaining(st.deadline)))
-            if st.mean is None or pid not in st.members:
-                why = f"not_root:{st.root}" if st.root not in (None, me) else "late"
-                yield self._hdr(wire, st, "done", False, why, mode="gather")
-                abort = (pre, f"{why} (round {st.round})")
-            else:
-                sent = 0
-                async for frame, n in C.encode_tensors(st.mean, self._names, wire, self._pacer(pid), self._chunk,
-                                                        st.mean_digests):
-                    yield frame
-                    sent += n
-                yield self._hdr(wire, st, "done", True, mode="gather", group_size=len(st.members),
-                                members=st.members)
-                fut.set_result(sent)
-        except TensorRejected as exc:
-            self._count(exc.reason)
-            log.warning("gather contribution from %s rejected: %s", pid[:16], exc)
-            abort = (grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc.message}")
-        except (C.PeerError, asyncio.TimeoutError) as exc:
-            log.warning("gather stream from %s failed: %r", pid[:16], exc)
+            view = await self.roster(st)
+            while len(view) + 1 < expected and loop.time() < settle and not st.closed:
+                await link.sleep(st, min(link.poll_interval_s, max(0.0, settle - loop.time())))
+                view = await self.roster(st)
+            root = min([link.peer_id, *view])
+            st.root = root
+            if root == link.peer_id:
+                return await self._run_root(st, expected, view)
+            st.decided.set()  # contributions sent to us early are told "not_root:<root>"
+            return await self._gather(st, root)
         finally:
-            st.arriving.discard(pid)
-            if not fut.done():
-                fut.set_result(0)
-        if abort is not None:
-            await context.abort(*abort)
+            st.closed = True
+            st.decided.set()
 
     # ------------------------------------------------------------------ group: root and members
-    async def _run_root(self, st: C.Round, expected: int, view: dict[str, RosterEntry]) -> C.ExchangeResult:
-        loop = asyncio.get_running_loop()
+    async def _run_root(self, st: C.Round, expected: int, view: dict) -> C.ExchangeResult:
+        link, loop = self.link, asyncio.get_running_loop()
         seen: set[str] = set(view)
         while loop.time() < st.collect_end and not st.closed:
             have = set(st.contribs)
             if len(have) + 1 >= expected or (seen and seen <= have and not st.arriving):
                 break
-            await self._sleep(st, min(self.poll_interval_s, st.collect_end - loop.time()))
-            seen |= set(await self._roster(st))
+            await link.sleep(st, min(link.poll_interval_s, st.collect_end - loop.time()))
+            seen |= set(await self.roster(st))
         contribs = dict(st.contribs)
         if not contribs:
             st.decided.set()
-            return C.ExchangeResult(None, 1, [], C.SOLO, "closed" if self._closed else "no_partner")
+            return C.ExchangeResult(None, 1, [], C.SOLO, "closed" if link.closed else "no_partner")
         try:
-            mean = await self._mean_of([(self.peer_id, st.tensors), *contribs.items()])
-        except (C.PeerError, TensorRejected) as exc:  # our own NaN, or an overflow to inf
+            mean = await link.mean([(link.peer_id, st.tensors), *contribs.items()])
+        except (PeerError, TensorRejected) as exc:  # our own NaN, or an overflow to inf
             st.decided.set()
             reason = exc.reason
             log.warning("group mean of round %d is not finite (%s); every member fails this round", st.round, reason)
             return C.ExchangeResult(None, 1, list(contribs), C.FAILED, reason, 0, st.received)
-        st.members = sorted([self.peer_id, *contribs])
-        st.mean_digests = C.task(asyncio.to_thread(C.digests, mean))  # hashed once for every reply
+        st.members = sorted([link.peer_id, *contribs])
+        st.mean_digests = task(asyncio.to_thread(digests, mean))  # hashed once for every reply
         st.mean = mean
         st.decided.set()
         futs = [st.sends[p] for p in contribs]
-        done, _ = await asyncio.wait(futs, timeout=max(0.0, C.remaining(st.deadline)) + GRACE_S)
+        done, _ = await asyncio.wait(futs, timeout=max(0.0, remaining(st.deadline)) + GRACE_S)
         sent = sum(f.result() for f in done)
-        partners = [p for p in st.members if p != self.peer_id]
+        partners = [p for p in st.members if p != link.peer_id]
         return C.ExchangeResult(st.mean, len(st.members), partners, C.OK, "", sent, st.received)
 
-    async def _gather(self, st: C.Round, root: str, view: dict[str, RosterEntry]) -> C.ExchangeResult:
+    async def _gather(self, st: C.Round, root: str) -> C.ExchangeResult:
+        link = self.link
         for _ in range(3):
-            addr = self._addrs.get(root)
+            addr = link.addrs.get(root)
             if addr is None:
                 return C.ExchangeResult(None, 1, [root], C.FAILED, "no_root")
             res, redirect = await self._gather_once(st, root, addr)
-            if redirect is None or redirect == self.peer_id or C.remaining(st.deadline) <= 0:
+            if redirect is None or redirect == link.peer_id or remaining(st.deadline) <= 0:
                 return res
             log.info("gather root %s says the root is %s; retrying there", root[:16], redirect[:16])
-            if redirect not in self._addrs:
-                await self._roster(st)
+            if redirect not in link.addrs:
+                await self.roster(st)
             root = redirect
         return res
 
     async def _gather_once(self, st: C.Round, root: str, addr: str) -> tuple[C.ExchangeResult, str | None]:
-        sent = recv = 0
-        call = None
+        link, sent, recv, call = self.link, 0, 0, None
         try:
-            async with asyncio.timeout(max(0.0, C.remaining(st.deadline))):
-                call = self._open_call(addr, st)
-                await call.write(self._hdr(True, st, "open", mode="gather"))
-                kind, hdr = C.split(await self._next(call.read, st.deadline))
+            async with asyncio.timeout(max(0.0, remaining(st.deadline))):
+                call = link.open_call(addr, st)
+                await call.write(link.hdr(True, st, "open", mode="gather"))
+                kind, hdr = C.split(await link.next(call.read, st.deadline))
                 if kind == "header" and not hdr.accepted:
-                    raise C.PeerError(hdr.reason or "refused")
-                async for frame, n in C.encode_tensors(st.tensors, self._names, True, self._pacer(root), self._chunk,
-                                                        st.digests):
+                    raise PeerError(hdr.reason or "refused")
+                async for frame, n in link.encode(st.tensors, True, root, st.digests):
                     await call.write(frame)
                     sent += n
                 await call.done_writing()
-                mean, recv = await self._read_tensors(call.read, st.deadline)
-                kind, hdr = C.split(await self._next(call.read, st.deadline))
-            if kind != "header" or not hdr.accepted or hdr.group_size < 2 or self.peer_id not in hdr.members:
-                raise C.PeerError("partner_error", "bad gather done frame")
-            partners = [p for p in hdr.members if p != self.peer_id]
+                mean, recv = await link.read_tensors(call.read, st.deadline)
+                kind, hdr = C.split(await link.next(call.read, st.deadline))
+            if kind != "header" or not hdr.accepted or hdr.group_size < 2 or link.peer_id not in hdr.members:
+                raise PeerError("partner_error", "bad gather done frame")
+            partners = [p for p in hdr.members if p != link.peer_id]
             return C.ExchangeResult(mean, int(hdr.group_size), partners, C.OK, "", sent, recv), None
         except TensorRejected as exc:
-            self._count(exc.reason)
+            link.count(exc.reason)
             return C.ExchangeResult(None, 1, [root], C.FAILED, exc.reason, sent, recv), None
-        except C.PeerError as exc:
+        except PeerError as exc:
             redirect = None
             reason = exc.reason.removeprefix("partner_")
             if reason.startswith("not_root:"):

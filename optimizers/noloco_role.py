@@ -25,23 +25,21 @@ from collections import deque
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.config import DataConfig, ModelConfig
 from models.corpus import batches, eval_batches, evaluate, load_corpus
 from models.hf_adapter import build_from_config
-from node.card import read_cards
-from node.config import ConfigError, format_validation_error
+from models.optim import build_optimizer, inner_lr_scheduler, inner_step
+from node.card import card_int, max_card_int, peers, read_cards
 from node.logs import set_context
 from node.metrics import RPC_REJECTED, TENSORS_REJECTED, TRANSFER_BYTES
-from node.roles import NodeContext, register
+from node.roles import NodeContext, RoleBase, register
 from optimizers import checkpoint, noloco_metrics as M
 from optimizers.config import NoLoCoConfig
 from optimizers.exchange import OuterExchange, add_exchange_to_server
-from optimizers.inner import inner_step
 from optimizers.noloco import copy_into, make_outer
-from optimizers.roster import ROSTER_NAMESPACE, card_round, frontier_round, ready_peers
-from optimizers.schedule import inner_lr_scheduler
+from optimizers.roster import ROSTER
 from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
 from protocol import weights_pb2_grpc
 
@@ -90,6 +88,8 @@ class WorkerConfig(NoLoCoConfig):
 
 
 class RoleSettings(BaseModel):
+    """The sections the noloco role reads: ``[noloco]``, ``[model]``, ``[data]``."""
+
     model_config = ConfigDict(extra="forbid")
     noloco: WorkerConfig
     model: ModelConfig
@@ -112,19 +112,10 @@ def _param_names(model: torch.nn.Module) -> list[str]:
 
 
 @register
-class NoLoCoRole:
+class NoLoCoRole(RoleBase):
     name = "noloco"
-
-    @classmethod
-    def validate_config(cls, config: Any) -> RoleSettings:
-        try:
-            return RoleSettings(noloco=config.noloco, model=config.model, data=config.data)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from None
-
-    @classmethod
-    def namespaces(cls, config: Any) -> list:
-        return [ROSTER_NAMESPACE]
+    Settings = RoleSettings
+    rendezvous = (ROSTER,)
 
     def __init__(self, ctx: NodeContext, settings: RoleSettings):
         self.ctx, self.s, self.cfg = ctx, settings, settings.noloco
@@ -136,6 +127,8 @@ class NoLoCoRole:
         self.names = _param_names(self.model)
         self.params = [p for _, p in self.model.named_parameters()]
         self.outer = make_outer([p.detach() for p in self.params], self.cfg)
+        log.info("outer %s: %s", self.cfg.outer, self.cfg.outer_momentum_note,
+                 extra={"event": "outer_config", "outer_momentum": self.cfg.outer_momentum})
         ex_names = list(self.names) + ([f"phi.{n}" for n in self.names] if self.cfg.exchanges_phi else [])
         ex_specs = [(n, torch.float32, tuple(p.shape)) for n, p in
                     zip(ex_names, self.params * (2 if self.cfg.exchanges_phi else 1))]
@@ -182,8 +175,7 @@ class NoLoCoRole:
 
     def _make_optimizer(self, start_step: int) -> None:
         inner = self.cfg.inner
-        self.opt = torch.optim.Adam(self.params, lr=inner.lr, betas=tuple(inner.betas), eps=inner.eps,
-                                    weight_decay=inner.weight_decay)
+        self.opt = build_optimizer(self.params, inner)
         self.sched = inner_lr_scheduler(self.opt, inner, start_step=start_step)
         self.train_iter = batches(self._corpus.train, self.s.data.batch_size, self.s.data.seq_len, self.cfg.seed,
                                   shard=self.shard, num_shards=self.cfg.data_shards, start_step=start_step)
@@ -234,10 +226,9 @@ class NoLoCoRole:
         except Exception as exc:  # noqa: BLE001 - no view of the swarm: nothing to fetch
             log.warning("could not read node cards to find a state donor: %r", exc)
             return None
-        donors = [v for v in ready_peers(views, peer_id=self.ctx.peer_id, cfg_hash=self.cfg_hash)
-                  if (card_round(v) or 0) >= min_round]
+        donors = [v for v in self._ready_peers(views) if (card_int(v, "round") or 0) >= min_round]
         random.shuffle(donors)  # ties in round: a random donor, so joiners spread the load
-        donors.sort(key=lambda v: -(card_round(v) or 0))
+        donors.sort(key=lambda v: -(card_int(v, "round") or 0))
         expected = {n: (torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)}
         for donor in donors[:3]:
             try:
@@ -422,7 +413,7 @@ class NoLoCoRole:
                                      timeout=min(2.0, self.cfg.round_timeout / 4))
         except Exception:  # noqa: BLE001 - no view of the swarm this round: keep our label
             return self.round
-        target = frontier_round(views, peer_id=self.ctx.peer_id, cfg_hash=self.cfg_hash)
+        target = max_card_int(self._ready_peers(views), "round")
         if target is None or target <= self.round:
             return self.round
         log.info("round label %d -> %d: the swarm is ahead", self.round, target,
@@ -435,8 +426,13 @@ class NoLoCoRole:
             views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
         except Exception:  # noqa: BLE001 - unknown: assume just us and whoever shows up
             return 1
-        return max(1, sum(1 for v in views if v.card.role == "noloco" and v.card.state in ("ready", "joining")
-                          and v.card.details.get("cfg_hash") in (None, self.cfg_hash)))
+        return max(1, len(peers(views, role=self.name, cfg_hash=self.cfg_hash, states=("ready", "joining"),
+                                unknown_cfg_ok=True)))
+
+    def _ready_peers(self, views: list) -> list:
+        """The other READY workers of our config: the peers this worker may take state from or
+        follow to a higher round."""
+        return peers(views, role=self.name, cfg_hash=self.cfg_hash, exclude=self.ctx.peer_id)
 
     # ---------------- drain ----------------
     async def drain(self, budget_s: float) -> None:

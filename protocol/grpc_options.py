@@ -27,7 +27,7 @@ _STREAMING = [
     ("grpc.http2.lookahead_bytes", 16 * MiB),          # initial per-stream window hint
     ("grpc.http2.max_frame_size", 16 * MiB - 1),       # HTTP/2 maximum
     ("grpc.http2.write_buffer_size", 8 * MiB),
-    ("grpc.experimental.tcp_read_chunk_size", 4 * MiB),
+    ("grpc.experimental.tcp_read_chunk_size", int(__import__("os").environ.get("RCHUNK", 4 * MiB))),
     ("grpc.experimental.tcp_min_read_chunk_size", 256 * 1024),
     ("grpc.experimental.tcp_max_read_chunk_size", 16 * MiB),
 ]

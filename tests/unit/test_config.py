@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node.config import ROLES, ConfigError, deep_merge, load_config, parse_set, redacted
+from node.config import ConfigError, deep_merge, installed_roles, load_config, parse_set, redacted
 
 PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 MADDR = f"/ip4/10.0.0.7/tcp/31337/p2p/{PEER}"
@@ -24,7 +24,7 @@ def toml(tmp_path: Path, text: str) -> Path:
 
 def test_defaults():
     cfg = load_config(None, None, environ={})
-    assert cfg.role == "noloco"
+    assert cfg.role is None              # no default role: `run` needs --role or role = "..."
     assert cfg.run_id == "swarmnode"
     assert cfg.ops.port == 9400 and cfg.grpc.port == 50051 and cfg.dht.host_port == 31337
     assert cfg.dht.initial_peers == [] and cfg.dht.bootstrap_deadline_s is None
@@ -33,7 +33,7 @@ def test_defaults():
 
 def test_precedence_each_layer(tmp_path):
     path = toml(tmp_path, """
-role = "stage"
+role = "bootstrap"
 run_id = "from-toml"
 [ops]
 port = 1111
@@ -46,9 +46,9 @@ host_port = 4000
 """)
     env = {"SWARMNODE_OPS__PORT": "4444", "SWARMNODE_GRPC__PORT": "5555", "SWARMNODE_RUN_ID": "from-env",
            "SWARMNODE_DHT__INITIAL_PEERS": f'["{MADDR}"]'}
-    cfg = load_config(path, {"ops": {"port": 3333}, "role": "grpo"}, environ=env)
+    cfg = load_config(path, {"ops": {"port": 3333}, "role": "noloco"}, environ=env)
     assert cfg.ops.port == 3333          # CLI beats env and TOML
-    assert cfg.role == "grpo"            # CLI beats TOML
+    assert cfg.role == "noloco"          # CLI beats TOML
     assert cfg.grpc.port == 5555         # env beats TOML
     assert cfg.run_id == "from-env"      # env beats TOML (top level)
     assert cfg.drain.budget_s == 7       # TOML beats default
@@ -61,8 +61,8 @@ def test_toml_only_and_env_only(tmp_path):
     path = toml(tmp_path, 'role = "bootstrap"\n[ops]\nport = 1234\n')
     cfg = load_config(path, None, environ={})
     assert (cfg.role, cfg.ops.port) == ("bootstrap", 1234)
-    cfg = load_config(None, None, environ={"SWARMNODE_ROLE": "stage", "SWARMNODE_OPS__PORT": "9500"})
-    assert (cfg.role, cfg.ops.port) == ("stage", 9500)
+    cfg = load_config(None, None, environ={"SWARMNODE_ROLE": "noloco", "SWARMNODE_OPS__PORT": "9500"})
+    assert (cfg.role, cfg.ops.port) == ("noloco", 9500)
 
 
 def test_env_names_case_insensitive_and_other_vars_ignored():
@@ -148,9 +148,16 @@ def test_bad_role_lists_allowed_values():
     with pytest.raises(ConfigError) as ei:
         load_config(None, {"role": "nope"}, environ={})
     msg = str(ei.value)
-    assert "role" in msg and "'nope'" in msg
-    for r in ROLES:
+    assert "role" in msg and "'nope'" in msg and "not installed" in msg
+    assert set(installed_roles()) >= {"bootstrap", "noloco"}
+    for r in installed_roles():
         assert r in msg
+
+
+def test_misspelt_role_suggests_the_installed_one():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, {"role": "nolco"}, environ={})
+    assert "did you mean 'noloco'?" in str(ei.value)
 
 
 @pytest.mark.parametrize("bad", ["/ip4/foo", "/ip4/1.2.3.4/tcp/31337", "12D3KooW", "http://1.2.3.4:31337"])
@@ -277,3 +284,63 @@ def test_redacted_masks_secrets_keeps_paths_and_urls():
     assert "s3cr3t" not in repr(red)
     # the config object itself keeps the value
     assert cfg.model["api_key"] == "s3cr3t"
+
+
+# ---- role sections come from entry points, not from node/ ----
+
+def test_registered_role_sections_are_raw_tables_read_from_toml_env_and_cli(tmp_path):
+    path = toml(tmp_path, "[noloco]\ninner_steps = 7\n[model]\nd_model = 32\n")
+    cfg = load_config(path, {"data": {"seq_len": 64}}, environ={"SWARMNODE_NOLOCO__OUTER": "diloco"})
+    assert cfg.noloco == {"inner_steps": 7, "outer": "diloco"}   # validated later, by the role
+    assert cfg.model == {"d_model": 32} and cfg.data == {"seq_len": 64}
+
+
+def test_unknown_section_refused_with_closest_name(tmp_path):
+    path = toml(tmp_path, "[nolocoo]\ninner_steps = 7\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path, None, environ={})
+    msg = str(ei.value)
+    assert "nolocoo" in msg and "unknown key" in msg and "did you mean 'noloco'?" in msg
+    with pytest.raises(ConfigError) as ei:     # a role that is not installed has no section either
+        load_config(None, {"stage": {"index": 1}}, environ={})
+    assert "stage: unknown key" in str(ei.value)
+
+
+def test_unknown_nested_key_suggests_closest():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, {"dht": {"host_prot": 1}}, environ={})
+    assert "dht.host_prot: unknown key; did you mean 'host_port'?" in str(ei.value)
+
+
+def test_misspelt_role_section_env_rejected():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, None, environ={"SWARMNODE_NOLOC__INNER_STEPS": "5"})
+    assert "SWARMNODE_NOLOC__INNER_STEPS" in str(ei.value) and "SWARMNODE_NOLOCO" in str(ei.value)
+
+
+def test_fourth_role_section_registered_without_touching_node(tmp_path, monkeypatch):
+    """A package that registers a role and its section through entry points is accepted, with
+    nothing in node/ edited; the same config is refused before it is installed."""
+    from tests.unit.toy_dist import write_toy
+
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, {"role": "toy", "toy": {"rate": 3}}, environ={})
+    assert "'toy' is not installed" in str(ei.value) and "toy: unknown key" in str(ei.value)
+    monkeypatch.syspath_prepend(str(write_toy(tmp_path / "dist")))
+    assert "toy" in installed_roles()
+    cfg = load_config(None, {"role": "toy"}, environ={"SWARMNODE_TOY__RATE": "3"})
+    assert cfg.role == "toy" and cfg.toy == {"rate": "3"}
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, None, environ={"SWARMNODE_TOYY__RATE": "3"})
+    assert "did you mean SWARMNODE_TOY?" in str(ei.value)
+
+
+def test_config_check_imports_no_torch(tmp_path):
+    """Loading and checking a config (status --local, run --check's first step) stays cheap."""
+    import subprocess
+    import sys
+    code = ("import sys; from node.config import load_config; "
+            "c = load_config(None, {'role': 'noloco', 'noloco': {'inner_steps': 3}}, environ={}); "
+            "assert c.noloco == {'inner_steps': 3}; print(sorted(m for m in ('torch', 'hivemind') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stderr

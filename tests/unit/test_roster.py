@@ -85,12 +85,25 @@ def _view(peer, round_, role="noloco", state="ready", cfg="abc123"):
     return CardView(peer_id=peer, card=card, expiration=0.0)
 
 
-def test_frontier_round_is_the_highest_live_compatible_peer():
-    from optimizers.roster import frontier_round
+def test_noloco_follows_the_highest_live_compatible_peer():
+    """The role's donor/frontier filter (node.card.peers + max_card_int) over mixed cards."""
+    from node.card import max_card_int
+    from optimizers.noloco_role import NoLoCoRole
+
+    role = NoLoCoRole.__new__(NoLoCoRole)  # only the filter's inputs: our peer ID and config hash
+    role.ctx, role.cfg_hash = type("Ctx", (), {"peer_id": "me"})(), "abc123"
     views = [_view("me", 99), _view("a", 7), _view("b", 12), _view("c", 40, state="draining"),
              _view("d", 50, cfg="other"), _view("e", 60, role="bootstrap"), _view("f", None),
              _view("g", True), _view("h", "30")]
     # ourselves, draining nodes, other configs, other roles and malformed rounds never count
-    assert frontier_round(views, peer_id="me", cfg_hash="abc123") == 12
-    assert frontier_round(views[:1], peer_id="me", cfg_hash="abc123") is None
-    assert frontier_round([], peer_id="me", cfg_hash="abc123") is None
+    assert [v.peer_id for v in role._ready_peers(views)] == ["a", "b", "f", "g", "h"]
+    assert max_card_int(role._ready_peers(views), "round") == 12
+    assert max_card_int(role._ready_peers(views[:1]), "round") is None
+
+
+def test_roster_is_a_rendezvous_and_the_old_names_are_views_of_it():
+    from node.rendezvous import Rendezvous
+    from optimizers.roster import ROSTER
+
+    assert isinstance(ROSTER, Rendezvous) and ROSTER.entry_model is RosterEntry
+    assert ROSTER_NAMESPACE is ROSTER.namespace and ROSTER.key(RUN, 4) == roster_key(RUN, 4)

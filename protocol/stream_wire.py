@@ -1,0 +1,303 @@
+"""Frames of the open tensor stream (``protocol/stream.proto``), built and parsed by hand.
+
+Owns the byte layout of ``StreamFrame`` and every check a receiver makes on it; pure (no grpc,
+no asyncio), so it is unit-tested frame by frame. ``protocol/streams.py`` moves the frames.
+
+Why by hand: protobuf copies a ``bytes`` field into the message and again to serialize (and
+on parse), which for 1-4 MiB payloads costs more than the transport. Here a tensor frame is
+one ``b"".join`` of small headers and the tensor's own memory (one copy), and parsing walks
+the top-level fields and hands out ``data`` as a zero-copy ``memoryview``; the small
+``head``/``hello``/``error`` submessages go through protobuf. Any valid protobuf encoding of a
+``StreamFrame`` parses (field order free, unknown fields skipped); a repeated known field is
+rejected (proto3 would merge it silently).
+
+A tensor on the wire (see stream.proto for the whole protocol)::
+
+    frame 0: seq=s, head{name, dtype, shape, total_bytes, checksum_alg, meta}, data[0:c], [digest]
+    frame k: seq=s, offset=k*c, data[k*c:(k+1)*c], [digest on the last]
+
+The digest is a trailer: xxh3_128 of the payload, updated as each chunk is framed, so the
+sender never makes a separate hashing pass before the first byte leaves (tensors up to one
+chunk, 4 MiB, are a single frame). The receiver checks the head (dtype allowlist, shape,
+``total_bytes == numel * itemsize``, cap, meta size) before allocating one buffer, copies
+chunks in order (no gaps, no overlap, nothing past ``total_bytes``), hashes as they arrive and
+compares the trailer. Any failure raises ``TensorRejected`` and poisons the assembler.
+
+    parse(data) -> Frame;  tensor_frames(seq, name, tensor, meta, chunk_bytes) -> Iterator[bytes]
+    hello_frame(...), credit_frame(n), error_frame(reason, message) -> bytes
+    StreamAssembler(max_tensor_bytes, cap_key).feed(frame) -> Received | None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import xxhash
+
+from protocol import stream_pb2
+from protocol.codec import (CHECKSUM_ALG, MAX_CHUNK_BYTES, TensorRejected, check_chunk_bytes, dtype_name,
+                            payload_view, validate_header)
+from protocol.varint import encode_varint, read_varint
+
+WIRE_VERSION = 1
+MAX_META_ITEMS = 32
+MAX_META_KEY_CHARS = 64
+MAX_META_VALUE_CHARS = 256
+MAX_HEAD_BYTES = 64 * 1024      # head / hello / error submessages: names, shape, meta
+DIGEST_BYTES = 16               # xxh3_128
+_DIGEST_TAG = b"\x2a\x10"       # field 5, length 16
+
+_VARINT_FIELDS = {1: "seq", 3: "offset", 6: "credit"}
+_BYTES_FIELDS = {2: "head", 4: "data", 5: "digest", 7: "hello", 8: "error"}
+
+
+class Frame:
+    """One parsed ``StreamFrame``; unset fields are None (``data`` is a view into the message)."""
+    __slots__ = ("seq", "head", "offset", "data", "digest", "credit", "hello", "error")
+
+    def __init__(self):
+        self.seq = self.head = self.offset = self.data = self.digest = None
+        self.credit = self.hello = self.error = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.head is not None or self.data is not None or self.digest is not None
+
+
+class Received(NamedTuple):
+    """A verified tensor from the stream: its name, the tensor (owns its buffer), meta, seq."""
+    name: str
+    tensor: torch.Tensor
+    meta: dict[str, str]
+    seq: int
+
+
+def _malformed(msg: str) -> TensorRejected:
+    return TensorRejected("malformed", msg + "; the peer speaks another stream protocol or is broken: "
+                          "the stream is dropped")
+
+
+def parse(data: bytes) -> Frame:
+    """Split a serialized ``StreamFrame`` into its fields without copying ``data``."""
+    f, n, pos, seen = Frame(), len(data), 0, 0
+    while pos < n:
+        tag, pos = read_varint(data, pos)
+        if tag <= 0:
+            raise _malformed(f"bad field tag at byte {pos} of a {n}-byte frame")
+        field, wt = tag >> 3, tag & 7
+        if wt == 0:
+            value, pos = read_varint(data, pos)
+            if value < 0:
+                raise _malformed(f"bad varint in field {field}")
+        elif wt == 2:
+            length, pos = read_varint(data, pos)
+            if length < 0 or pos + length > n:
+                raise _malformed(f"field {field} runs past the end of the frame")
+            value, pos = (pos, pos + length), pos + length
+        elif wt == 1 or wt == 5:
+            pos += 8 if wt == 1 else 4
+            if pos > n:
+                raise _malformed(f"field {field} runs past the end of the frame")
+            value = None
+        else:
+            raise _malformed(f"field {field} has wire type {wt}")
+        name = _VARINT_FIELDS.get(field) if wt == 0 else _BYTES_FIELDS.get(field) if wt == 2 else None
+        if name is None:
+            if field in _VARINT_FIELDS or field in _BYTES_FIELDS:
+                raise _malformed(f"field {field} has the wrong wire type {wt}")
+            continue  # unknown field of a later version: skipped, as protobuf does
+        if seen & (1 << field):
+            raise _malformed(f"field {name} appears twice in one frame")
+        seen |= 1 << field
+        if wt == 0:
+            setattr(f, name, value)
+        elif name == "data":
+            f.data = memoryview(data)[value[0]:value[1]]
+        else:
+            a, b = value
+            if name != "digest" and b - a > MAX_HEAD_BYTES:
+                raise _malformed(f"{name} of {b - a} bytes is above {MAX_HEAD_BYTES}")
+            setattr(f, name, bytes(data[a:b]))
+    return f
+
+
+def _len_field(tag: bytes, body) -> tuple[bytes, object]:
+    return tag + encode_varint(len(body)), body
+
+
+def check_meta(meta: Mapping[str, str] | None) -> dict[str, str]:
+    """Validate a meta map (both ends use it: the sender fails early, the receiver rejects)."""
+    if not meta:
+        return {}
+    if len(meta) > MAX_META_ITEMS:
+        raise _malformed(f"meta has {len(meta)} entries, above {MAX_META_ITEMS}")
+    out = {}
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"meta must map str -> str, got {k!r}: {v!r}; format numbers with str()")
+        if not k or len(k) > MAX_META_KEY_CHARS or len(v) > MAX_META_VALUE_CHARS:
+            raise _malformed(f"meta entry {k[:MAX_META_KEY_CHARS]!r} exceeds {MAX_META_KEY_CHARS}-char keys / "
+                             f"{MAX_META_VALUE_CHARS}-char values")
+        out[k] = v
+    return out
+
+
+def tensor_frames(seq: int, name: str, tensor: torch.Tensor, meta: Mapping[str, str] | None = None,
+                  chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+    """The serialized frames of one tensor, digest trailer hashed as frames are built.
+    Non-contiguous and GPU tensors are copied to contiguous CPU memory first."""
+    check_chunk_bytes(chunk_bytes)
+    t, mv = payload_view(tensor)
+    head = stream_pb2.StreamTensorHead(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape),
+                                       total_bytes=mv.nbytes, checksum_alg=CHECKSUM_ALG,
+                                       meta=check_meta(meta)).SerializeToString()
+    seq_field = b"\x08" + encode_varint(seq)
+    head_field = b"\x12" + encode_varint(len(head))
+    total = mv.nbytes
+    if total <= chunk_bytes:  # the common case: one frame, one copy of the payload
+        data = (b"\x22" + encode_varint(total), mv) if total else (b"", b"")
+        yield b"".join((seq_field, head_field, head, *data, _DIGEST_TAG, xxhash.xxh3_128(mv).digest()))
+        return
+    hasher = xxhash.xxh3_128()
+    for off in range(0, total, chunk_bytes):
+        part = mv[off:off + chunk_bytes]
+        hasher.update(part)
+        pieces = [seq_field, head_field, head] if off == 0 else [seq_field, b"\x18" + encode_varint(off)]
+        pieces += [b"\x22" + encode_varint(len(part)), part]
+        if off + len(part) == total:
+            pieces += [_DIGEST_TAG, hasher.digest()]
+        yield b"".join(pieces)
+    del t  # the payload's owner lives until the last frame is built
+
+
+def hello_frame(run_id: str, sender: str, channel: str, window: int,
+                meta: Mapping[str, str] | None = None) -> bytes:
+    hello = stream_pb2.StreamHello(run_id=run_id, sender=sender, channel=channel, window=int(window),
+                                   version=WIRE_VERSION, meta=check_meta(meta)).SerializeToString()
+    return b"\x3a" + encode_varint(len(hello)) + hello
+
+
+def parse_hello(f: Frame) -> stream_pb2.StreamHello:
+    """The hello of a peer's first frame; raises TensorRejected("malformed") otherwise."""
+    if f.hello is None or f.is_tensor:
+        raise _malformed("the first frame of a stream must be a hello")
+    try:
+        h = stream_pb2.StreamHello.FromString(f.hello)
+    except Exception as exc:  # protobuf's DecodeError
+        raise _malformed(f"hello does not parse ({exc})") from None
+    if h.version != WIRE_VERSION:
+        raise TensorRejected("malformed", f"peer speaks stream version {h.version}, this node {WIRE_VERSION}: "
+                             "run the same swarmnode version on both")
+    if h.window < 1:
+        raise _malformed("hello.window must be >= 1")
+    check_meta(dict(h.meta))
+    return h
+
+
+def credit_frame(n: int) -> bytes:
+    return b"\x30" + encode_varint(int(n))
+
+
+def error_frame(reason: str, message: str) -> bytes:
+    err = stream_pb2.StreamError(reason=reason[:64], message=message[:2000]).SerializeToString()
+    return b"\x42" + encode_varint(len(err)) + err
+
+
+class _Pending:
+    __slots__ = ("name", "dtype", "shape", "total", "received", "buf", "hasher", "meta", "seq")
+
+
+class StreamAssembler:
+    """Rebuild tensors from one direction's tensor frames, in order; every check happens here.
+
+    ``max_tensor_bytes`` caps each tensor (``cap_key`` names the knob in errors, e.g.
+    ``limits.max_activation_bytes``). ``feed(frame)`` returns a ``Received`` when the frame
+    carrying the digest trailer completes a tensor, else None. After any ``TensorRejected``
+    the assembler is poisoned: drop the stream.
+    """
+
+    def __init__(self, max_tensor_bytes: int, cap_key: str = "limits.max_activation_bytes"):
+        if max_tensor_bytes < 0:
+            raise ValueError(f"max_tensor_bytes must be >= 0, got {max_tensor_bytes}")
+        self.max_tensor_bytes, self.cap_key = int(max_tensor_bytes), cap_key
+        self.next_seq = 0
+        self._p: _Pending | None = None
+        self._failed: TensorRejected | None = None
+
+    @property
+    def in_progress(self) -> bool:
+        return self._p is not None
+
+    def feed(self, f: Frame) -> Received | None:
+        if self._failed is not None:
+            raise self._failed
+        try:
+            return self._feed(f)
+        except TensorRejected as exc:
+            self._failed, self._p = exc, None
+            raise
+
+    def _feed(self, f: Frame) -> Received | None:
+        seq = f.seq or 0
+        if seq != self.next_seq:
+            raise _malformed(f"tensor frame with seq {seq}, expected {self.next_seq} (frames out of order)")
+        p = self._p
+        if f.head is not None:
+            if p is not None:
+                raise _malformed(f"head of a new tensor while {p.name!r} is incomplete "
+                                 f"({p.received}/{p.total} bytes)")
+            p = self._start(f.head)
+        elif p is None:
+            raise _malformed(f"frame of tensor {seq} arrived with no head before it")
+        if f.data is not None:
+            offset, n = f.offset or 0, len(f.data)
+            if n > MAX_CHUNK_BYTES:
+                raise _malformed(f"tensor {p.name!r}: chunk of {n} bytes is above {MAX_CHUNK_BYTES}")
+            if offset != p.received:
+                what = "overlaps data already received" if offset < p.received else "leaves a gap"
+                raise _malformed(f"tensor {p.name!r}: chunk at offset {offset} {what} (next offset {p.received})")
+            if offset + n > p.total:
+                raise TensorRejected("size", f"tensor {p.name!r}: chunk [{offset}, {offset + n}) runs past "
+                                     f"total_bytes={p.total}; drop the stream")
+            if n:
+                p.buf[offset:offset + n] = np.frombuffer(f.data, dtype=np.uint8)
+                p.hasher.update(f.data)
+                p.received += n
+        elif f.offset is not None:
+            raise _malformed(f"tensor {p.name!r}: offset without data")
+        if f.digest is None:
+            return None
+        self._p = None
+        if p.received != p.total:
+            raise TensorRejected("truncated", f"tensor {p.name!r}: digest trailer after {p.received} of "
+                                 f"{p.total} bytes; the sender is broken: drop the stream")
+        if len(f.digest) != DIGEST_BYTES or p.hasher.digest() != f.digest:
+            raise TensorRejected("checksum", f"tensor {p.name!r}: {CHECKSUM_ALG} digest mismatch over "
+                                 f"{p.total} bytes; the data was corrupted in transit or by the sender")
+        t = torch.from_numpy(p.buf) if p.total else torch.empty(0, dtype=torch.uint8)
+        if p.dtype is torch.bool and p.total and int(t.max()) > 1:
+            raise _malformed(f"bool tensor {p.name!r} holds bytes other than 0/1")
+        self.next_seq += 1
+        return Received(p.name, t.view(p.dtype).reshape(p.shape), p.meta, p.seq)
+
+    def _start(self, head_bytes: bytes) -> _Pending:
+        try:
+            h = stream_pb2.StreamTensorHead.FromString(head_bytes)
+        except Exception as exc:  # protobuf's DecodeError
+            raise _malformed(f"tensor head does not parse ({exc})") from None
+        dtype, shape = validate_header(h.name, h.dtype, h.shape, h.total_bytes, self.max_tensor_bytes,
+                                       self.cap_key)
+        if h.checksum_alg != CHECKSUM_ALG:
+            raise TensorRejected("checksum", f"tensor {h.name!r} uses checksum algorithm "
+                                 f"{h.checksum_alg[:40]!r}; supported: {CHECKSUM_ALG}")
+        meta = check_meta(dict(h.meta))
+        p = _Pending()
+        p.name, p.dtype, p.shape, p.total, p.received = h.name, dtype, shape, int(h.total_bytes), 0
+        p.meta, p.seq = meta, self.next_seq
+        p.buf = np.empty(p.total, dtype=np.uint8)  # the one allocation, after every check
+        p.hasher = xxhash.xxh3_128()
+        self._p = p
+        return p
