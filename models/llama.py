@@ -188,6 +188,11 @@ class Llama(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def forward_cached(self, x: Tensor, valid: Tensor | None = None,
+                       cache: "KVCache | None" = None) -> Tensor:
+        """KV-cached / padded forward for sampling and re-scoring; see `_forward_cached`."""
+        return _forward_cached(self, x, valid, cache)
+
 
 def build_model(cfg: ModelConfig, seed: int, layers: tuple[int, int] | None = None,
                 embed: bool = True, head: bool = True) -> Llama:
@@ -198,3 +203,88 @@ def build_model(cfg: ModelConfig, seed: int, layers: tuple[int, int] | None = No
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy in fp32. `targets` are already shifted (y = x[1:])."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# --- KV-cached incremental decoding (additive: the training forward above is unchanged) --------
+#
+# `Llama.forward_cached` runs the same blocks on a chunk of new tokens with explicit per-row
+# positions and a key-validity mask, appending keys/values to a `KVCache`. Rows may be
+# left-padded (padding keys are masked out, positions count only real tokens), so a batch of
+# prompts of different lengths decodes together. With cache=None it is a padded full forward
+# (used for re-scoring). Full models only (embed and head on one module).
+
+
+class KVCache:
+    """Per-layer key/value buffers [B, H, max_len, head_dim] plus the key-validity mask so far."""
+
+    def __init__(self, model: "Llama", batch: int, max_len: int, device=None, dtype=None):
+        cfg = model.cfg
+        device = device if device is not None else next(model.parameters()).device
+        dtype = dtype if dtype is not None else model.param_dtype
+        shape = (batch, cfg.n_heads, max_len, cfg.head_dim)
+        self.k = {name: torch.zeros(shape, device=device, dtype=dtype) for name in model.layers}
+        self.v = {name: torch.zeros(shape, device=device, dtype=dtype) for name in model.layers}
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.max_len, self.length = max_len, 0
+
+
+def _rope_at(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, 1, T, head_dim] for integer positions [B, T] (same formula as rope_tables)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                            dtype=torch.float32) / head_dim)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def _attn_cached(attn: Attention, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                 cache: KVCache | None, name: str) -> Tensor:
+    B, T, d = x.shape
+    q, k, v = (w(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
+               for w in (attn.wq, attn.wk, attn.wv))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        s = cache.length
+        cache.k[name][:, :, s:s + T] = k
+        cache.v[name][:, :, s:s + T] = v
+        k, v = cache.k[name][:, :, :s + T], cache.v[name][:, :, :s + T]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attn.wo(out.transpose(1, 2).reshape(B, T, d))
+
+
+def _forward_cached(self: "Llama", x: Tensor, valid: Tensor | None = None,
+                    cache: KVCache | None = None) -> Tensor:
+    """Logits [B, T, vocab] for new tokens x [B, T] given everything already in `cache`.
+
+    valid [B, T] (bool, default all True) marks real tokens; padding tokens get no position and
+    are never attended to. Positions continue from the tokens already cached. Equal (fp32) to
+    `forward` on each row's unpadded sequence.
+    """
+    if self.embed is None or self.head is None:
+        raise ValueError("forward_cached needs a full model (embed and head); a pipeline stage "
+                         "is driven by pipeline/, not by the sampler")
+    B, T = x.shape
+    valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if valid is None else valid
+    past = cache.key_mask[:, :cache.length] if cache is not None else valid[:, :0]
+    total = past.shape[1] + T
+    if total > self.cfg.max_seq_len or (cache is not None and total > cache.max_len):
+        raise ValueError(f"sequence length {total} > model.max_seq_len={self.cfg.max_seq_len} "
+                         "or the KV cache length; shorten the prompt or max_new_tokens")
+    keys = torch.cat([past, valid], dim=1)                               # [B, total]
+    positions = (keys.long().cumsum(1) - 1).clamp(min=0)[:, -T:]          # [B, T]
+    causal = torch.ones(T, total, dtype=torch.bool, device=x.device).tril(total - T)
+    mask = causal[None] & keys[:, None, :]                               # [B, T, total]
+    # a query with no valid key (a padding row position) would give NaN: let it see itself
+    eye = torch.zeros(T, total, dtype=torch.bool, device=x.device)
+    eye[:, total - T:] = torch.eye(T, dtype=torch.bool, device=x.device)
+    mask = (mask | (eye[None] & ~mask.any(-1, keepdim=True)))[:, None]   # [B, 1, T, total]
+    cos, sin = _rope_at(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    h = self.embed(x)
+    for name, block in self.layers.items():
+        h = h + _attn_cached(block.attn, block.attn_norm(h), cos, sin, mask, cache, name)
+        h = h + block.ffn(block.ffn_norm(h))
+    if cache is not None:
+        cache.key_mask[:, cache.length:cache.length + T] = valid
+        cache.length += T
+    return self.head(self.norm(h))
+

@@ -1,0 +1,112 @@
+"""F-TIS (pure torch): truncated importance weights and the KL filter for shared rollouts.
+
+Owns grpo.md §2 [rec]: for each sample, w_{i,t} = min(exp(l_{i,t} - gen_logp_{i,t}), C)
+(detached, truncated from above only); KL_i = mean_t (gen_logp - sg(l)); a sample is dropped
+(M_i = 0) iff A_i < 0 and KL_i > delta — positives are always kept. Local samples use the same
+formula (w ~ 1). Three modes share one code path (`ftis_loss`):
+
+- "ftis":        weights + filter as above (the swarmnode learner);
+- "uncorrected": foreign samples treated as on-policy (w = 1, no filter): the genrl baseline;
+- "solo":        foreign samples excluded from groups, weights and the loss: no sharing.
+
+No gRPC, hivemind or node code here (import-linter contract "Method modules are pure").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rl.grpo import GRPOLoss, LossAgg, ScaleRewards, group_advantages, grpo_loss
+
+Mode = Literal["ftis", "uncorrected", "solo"]
+MODES = ("ftis", "uncorrected", "solo")
+
+
+@dataclass(frozen=True)
+class FTISParams:
+    mode: Mode = "ftis"
+    C: float = 2.0        # weight cap: bounds variance and a liar's gain; inf = no truncation
+    delta: float = 0.5    # KL threshold for negative-advantage samples; inf = no filter
+
+
+def truncated_weights(logp: Tensor, gen_logp: Tensor, C: float) -> Tensor:
+    """w = min(exp(l - gen), C), detached; [N, L]."""
+    return torch.exp(logp.detach().float() - gen_logp.float()).clamp(max=C)
+
+
+def sample_kl(logp: Tensor, gen_logp: Tensor, mask: Tensor) -> Tensor:
+    """KL_i = (1/L_i) sum_t m (gen_logp - sg(l)): MC estimate of KL(pi_gen || pi_theta); [N]."""
+    m = mask.float()
+    d = (gen_logp.float() - logp.detach().float()) * m
+    return d.sum(1) / m.sum(1).clamp(min=1)
+
+
+def kl_filter(adv: Tensor, kl: Tensor, delta: float) -> Tensor:
+    """M_i = 0 iff A_i < 0 and KL_i > delta, else 1 (float [N])."""
+    return (~((adv < 0) & (kl > delta))).float()
+
+
+@dataclass
+class FTISStats:
+    n_local: int
+    n_foreign: int
+    filtered: int             # samples with M = 0 (counted over the samples that took part)
+    filtered_frac: float      # filtered / samples that took part
+    weight_mean: float        # mean w over real tokens of foreign samples (1.0 if none)
+    truncated_frac: float     # fraction of foreign real tokens with exp(l - gen) > C
+    kl_foreign_mean: float    # mean KL_i over foreign samples (0 if none)
+
+
+@dataclass
+class FTISResult:
+    loss: GRPOLoss
+    advantages: Tensor        # [N]
+    weights: Tensor           # [N, L]
+    keep: Tensor              # [N]
+    stats: FTISStats
+
+
+def ftis_loss(logp: Tensor, gen_logp: Tensor, mask: Tensor, rewards: Tensor, group: Tensor,
+              foreign: Tensor, params: FTISParams = FTISParams(), *,
+              scale_rewards: ScaleRewards = "group", agg: LossAgg = "sample",
+              n_slots: int | None = None, **loss_kwargs) -> FTISResult:
+    """Mixed-group advantages + F-TIS loss for one round's samples, in any of the three modes.
+
+    logp [N, L] learner log-probs (with grad) at the round temperature; gen_logp [N, L] the
+    generator's (own rows: our sampling log-probs; foreign: from the wire); rewards [N] local;
+    group [N] prompt index; foreign [N] bool. n_slots = S of the `sample` aggregation (round
+    config: B * (G + F)); default: rows that take part. loss_kwargs go to `grpo_loss`.
+    """
+    if params.mode not in MODES:
+        raise ValueError(f"ftis mode {params.mode!r}; use one of {MODES}")
+    foreign = foreign.bool()
+    m = mask.bool()
+    take_part = ~foreign if params.mode == "solo" else torch.ones_like(foreign)
+    adv = group_advantages(rewards, group, scale_rewards, valid=take_part)
+    if params.mode == "ftis":
+        w = truncated_weights(logp, gen_logp, params.C)
+        kl = sample_kl(logp, gen_logp, m)
+        keep = kl_filter(adv, kl, params.delta)
+    else:
+        w = torch.ones_like(logp, dtype=torch.float32).detach()
+        kl = sample_kl(logp, gen_logp, m)
+        keep = torch.ones_like(adv)
+    keep = keep * take_part.float()
+    rows = int(take_part.sum())
+    loss = grpo_loss(logp, adv, m, weights=w, keep=keep, agg=agg,
+                     n_slots=n_slots if n_slots is not None else max(rows, 1), **loss_kwargs)
+    fm = m & foreign[:, None]
+    n_for_tok = int(fm.sum())
+    raw = torch.exp(logp.detach().float() - gen_logp.float())
+    filtered = int(((keep == 0) & take_part).sum())
+    stats = FTISStats(
+        n_local=int((~foreign).sum()), n_foreign=int(foreign.sum()), filtered=filtered,
+        filtered_frac=filtered / max(rows, 1),
+        weight_mean=float(w[fm].mean()) if n_for_tok else 1.0,
+        truncated_frac=float((raw[fm] > params.C).float().mean()) if n_for_tok else 0.0,
+        kl_foreign_mean=float(kl[foreign].mean()) if bool(foreign.any()) else 0.0)
+    return FTISResult(loss, adv, w, keep, stats)
