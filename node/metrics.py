@@ -1,7 +1,10 @@
 """Node-level Prometheus metrics on an isolated registry (never the global one).
 
-Owns the registry and the node/DHT/gRPC/rejection series of ops.md §5. Role packages declare
-their own metrics in their own modules against :data:`REGISTRY`. Nothing here waits on I/O in
+Owns the registry, the node/DHT/gRPC/rejection series of ops.md §5 and the series every
+training role shares (train loss/tokens/steps/step time, eval loss, state downloads,
+checkpoints; set them through :func:`record_train_step` and :func:`count_rejection`). A series may
+be declared only once per registry, so roles import these and declare only their own
+(e.g. ``optimizers/noloco_metrics.py``) against :data:`REGISTRY`. Nothing here waits on I/O in
 the training path: values are set in memory and read by the ops HTTP thread at scrape time.
 """
 
@@ -51,6 +54,25 @@ RPC_REJECTED = Counter("swarmnode_rpc_rejected_total", "Requests rejected before
                        registry=REGISTRY)
 TENSORS_REJECTED = Counter("swarmnode_tensors_rejected_total", "Received tensors rejected.", ["reason"],
                            registry=REGISTRY)
+# ---- series every training role shares (declared here once: a second declaration raises)
+TRAIN_STEPS = Counter("swarmnode_train_steps_total", "Inner optimizer steps taken.", registry=REGISTRY)
+TRAIN_TOKENS = Counter("swarmnode_train_tokens_total", "Tokens trained on.", registry=REGISTRY)
+TRAIN_LOSS = Gauge("swarmnode_train_loss", "Training loss of the latest step.", registry=REGISTRY)
+TRAIN_LOSS_INITIAL = Gauge("swarmnode_train_loss_initial", "Training loss of this node's first step.",
+                           registry=REGISTRY)
+STEP_SECONDS = Histogram("swarmnode_train_step_duration_seconds", "Duration of one training step.",
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=REGISTRY)
+LAST_STEP = Gauge("swarmnode_last_step_timestamp_seconds", "Unix time of the latest training step.",
+                  registry=REGISTRY)
+EVAL_LOSS = Gauge("swarmnode_eval_loss", "Validation loss of the weights this node evaluates (its role says which).",
+                  registry=REGISTRY)
+EVAL_LOSS_INITIAL = Gauge("swarmnode_eval_loss_initial", "Validation loss when this node started.",
+                          registry=REGISTRY)
+STATE_DOWNLOADS = Counter("swarmnode_state_downloads_total", "State downloads by a joiner, by outcome.", ["outcome"],
+                          registry=REGISTRY)
+CHECKPOINTS = Counter("swarmnode_checkpoints_total", "Checkpoints written or loaded, by outcome.", ["outcome"],
+                      registry=REGISTRY)
+
 SWARM_NODES = Gauge("swarmnode_swarm_nodes", "Live node cards seen in the run (bootstrap view).",
                     ["role", "state"], registry=REGISTRY)
 
@@ -105,3 +127,31 @@ def follow_lifecycle(state: State, reason: str, detail: str) -> None:
     """Lifecycle listener: keep the state enums current."""
     STATE.state(state.value)
     READINESS_REASON.state(reason if reason in READINESS_REASONS else ("ready" if state is State.READY else "role_init"))
+
+
+_first_loss_set = False
+
+
+def record_train_step(loss: float, tokens: int, seconds: float) -> None:
+    """One training step done: loss (and the first loss once), tokens, steps, duration, time."""
+    global _first_loss_set
+    if not _first_loss_set:
+        _first_loss_set = True
+        TRAIN_LOSS_INITIAL.set(loss)
+    TRAIN_STEPS.inc()
+    TRAIN_TOKENS.inc(tokens)
+    TRAIN_LOSS.set(loss)
+    STEP_SECONDS.observe(seconds)
+    LAST_STEP.set(time.time())
+
+
+TENSOR_REASONS = frozenset({"nonfinite", "checksum", "shape", "dtype", "size", "truncated"})
+
+
+def count_rejection(reason: str) -> None:
+    """Peer input rejected: tensor problems by codec reason (``swarmnode_tensors_rejected_total``),
+    header problems as stale (stale/future round) or schema (``swarmnode_rpc_rejected_total``)."""
+    if reason in TENSOR_REASONS:
+        TENSORS_REJECTED.labels(reason=reason).inc()
+    else:
+        RPC_REJECTED.labels(reason="stale" if reason in ("stale", "future") else "schema").inc()

@@ -1,5 +1,7 @@
-"""Prometheus series of the ``noloco`` role (names shared by NoLoCo and DiLoCo; noloco.md §3.8).
+"""Prometheus series of the ``noloco`` role's outer loop (names shared by NoLoCo and DiLoCo; noloco.md §3.8).
 
+Only the outer-step series live here; the series every training role shares (train loss,
+tokens, step time, eval loss, state downloads, checkpoints) are in ``node/metrics.py``.
 Declared once against the node's isolated registry. Set from the role's loop and the compute
 thread (prometheus-client is thread-safe); nothing here blocks training.
 """
@@ -8,17 +10,6 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from node.metrics import REGISTRY
 
-TRAIN_STEPS = Counter("swarmnode_train_steps_total", "Inner optimizer steps taken.", registry=REGISTRY)
-TRAIN_TOKENS = Counter("swarmnode_train_tokens_total", "Tokens trained on.", registry=REGISTRY)
-TRAIN_LOSS = Gauge("swarmnode_train_loss", "Training loss of the latest inner step.", registry=REGISTRY)
-TRAIN_LOSS_INITIAL = Gauge("swarmnode_train_loss_initial", "Training loss of this node's first inner step.",
-                           registry=REGISTRY)
-STEP_SECONDS = Histogram("swarmnode_train_step_duration_seconds", "Duration of one inner step.",
-                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=REGISTRY)
-LAST_STEP = Gauge("swarmnode_last_step_timestamp_seconds", "Unix time of the latest inner step.", registry=REGISTRY)
-EVAL_LOSS = Gauge("swarmnode_eval_loss", "Validation loss of this worker's slow weights (phi).", registry=REGISTRY)
-EVAL_LOSS_INITIAL = Gauge("swarmnode_eval_loss_initial", "Validation loss when this worker started.",
-                          registry=REGISTRY)
 OUTER_ROUND = Gauge("swarmnode_outer_round", "Current outer round of this worker.", registry=REGISTRY)
 OUTER_ROUNDS = Counter("swarmnode_outer_rounds_total", "Outer rounds by outcome (ok / solo / failed).",
                        ["outcome"], registry=REGISTRY)
@@ -40,7 +31,3 @@ REPLICA_SPREAD = Gauge("swarmnode_replica_spread",
                        "RMS distance per parameter between this worker's theta and its group mean (pre-step).",
                        registry=REGISTRY)
 UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer update of phi.", registry=REGISTRY)
-STATE_DOWNLOADS = Counter("swarmnode_state_downloads_total", "State downloads by a joiner, by outcome.", ["outcome"],
-                          registry=REGISTRY)
-CHECKPOINTS = Counter("swarmnode_checkpoints_total", "Checkpoints written or loaded, by outcome.", ["outcome"],
-                      registry=REGISTRY)

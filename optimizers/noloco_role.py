@@ -3,12 +3,14 @@
     swarmnode run --role noloco --initial-peers /ip4/…/p2p/12D3KooW… [--set noloco.inner_steps=50]
 
 Glue only: the method is ``optimizers/noloco.py`` / ``diloco.py`` (pure torch), the transport
-``optimizers/exchange.py`` (pairing through the DHT roster, exchange over our gRPC), the
-joiner's state download ``optimizers/state_sync.py``, the model and data ``models/``.
+``optimizers/exchange.py`` (pairing through the DHT roster, exchange over our gRPC), the model
+and data ``models/``; the role toolkit in ``node/``: checkpoints (``node/checkpoint.py``), the
+joiner's state download (``node/state_sync.py``), the compute thread (``node/compute.py``) and
+the shared training metrics (``node/metrics.py``).
 
-Loop per round r: H inner Adam steps in a worker thread (the event loop stays free to serve
-peers) -> exchange theta with a random live partner (NoLoCo) or everyone (DiLoCo) within
-``round_timeout`` -> outer step (solo when no valid partner: never a hang) -> theta <- phi ->
+Loop per round r: H inner Adam steps on the compute thread (the event loop stays free to serve
+peers; every whole-model pass runs there) -> exchange theta with a random live partner (NoLoCo)
+or everyone (DiLoCo) within ``round_timeout`` -> outer step (solo when no valid partner: never a hang) -> theta <- phi ->
 card/metrics -> evaluation and an atomic checkpoint when due. A joiner downloads phi and the
 round from a random READY peer and starts at that round with fresh Adam state and m = 0.
 """
@@ -18,11 +20,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import random
-import threading
 import time
 from collections import deque
-from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,17 +30,20 @@ from models.config import DataConfig, ModelConfig
 from models.corpus import batches, eval_batches, evaluate, load_corpus
 from models.hf_adapter import build_from_config
 from models.optim import build_optimizer, inner_lr_scheduler, inner_step
-from node.card import card_int, max_card_int, peers, read_cards
+from node import metrics as NM
+from node.card import max_card_int, peers, read_cards
+from node.checkpoint import CheckpointError, Checkpointer
+from node.compute import Compute
 from node.logs import set_context
-from node.metrics import RPC_REJECTED, TENSORS_REJECTED, TRANSFER_BYTES
+from node.metrics import TRANSFER_BYTES, count_rejection
 from node.roles import NodeContext, RoleBase, register
-from optimizers import checkpoint, noloco_metrics as M
+from node.state_sync import StateFetchError, StateServicer, StateSnapshot, add_state_service, fetch_state, \
+    meta_int, order_donors
+from optimizers import noloco_metrics as M
 from optimizers.config import NoLoCoConfig
 from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.noloco import copy_into, make_outer
 from optimizers.roster import ROSTER
-from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
-from protocol import weights_pb2_grpc
 
 log = logging.getLogger("swarmnode.noloco")
 
@@ -96,15 +98,8 @@ class RoleSettings(BaseModel):
     data: DataConfig
 
 
-_TENSOR_REASONS = {"nonfinite", "checksum", "shape", "dtype", "size", "truncated"}
-
-
-def _count_rejection(reason: str) -> None:
-    """Exchange input rejected: tensor problems by codec reason, header problems as stale/schema."""
-    if reason in _TENSOR_REASONS:
-        TENSORS_REJECTED.labels(reason=reason).inc()
-    else:
-        RPC_REJECTED.labels(reason="stale" if reason in ("stale", "future") else "schema").inc()
+CHECKPOINT_FORMAT = "swarmnode-noloco-v2"
+CHECKPOINT_PARTS = ("model", "outer", "inner_optimizer", "scheduler")
 
 
 def _param_names(model: torch.nn.Module) -> list[str]:
@@ -136,14 +131,17 @@ class NoLoCoRole(RoleBase):
             run_id=ctx.config.run_id, peer_id=ctx.peer_id, cfg_hash=self.cfg_hash, grpc_addr=ctx.grpc_addr,
             dht=ctx.membership.dht, specs=ex_specs, netem=ctx.netem, max_round_skew=self.cfg.max_round_skew,
             max_message_bytes=ctx.config.grpc.max_message_bytes,
-            on_reject=_count_rejection)
+            on_reject=count_rejection)
         self.round = 0
         self.step = 0
-        self._snapshot: Snapshot | None = None
+        self._snapshot: StateSnapshot | None = None
         self._stopping = False
         self._round_task: asyncio.Task | None = None
         self._partners: deque[tuple[str, ...]] = deque(maxlen=21)
-        self._compute = threading.Lock()  # held by the compute thread while it touches the model
+        self.compute = Compute(self.name)  # every whole-model pass runs on its one thread
+        self.opt, self.sched = self._new_inner(0)
+        self.train_iter = None  # built once the data is loaded and the start step is known
+        self.checkpointer = Checkpointer(ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
         self._round_start_step = 0  # inner step at the last outer step; theta == phi there
         self._first_loss: float | None = None
         self._last_loss: float | None = None
@@ -152,9 +150,12 @@ class NoLoCoRole(RoleBase):
         self._catch_up = self.cfg.catch_up and self.cfg.outer == "noloco"  # DiLoCo resyncs phi instead
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
+    def _parts(self) -> dict:
+        return {"model": self.model, "outer": self.outer, "inner_optimizer": self.opt, "scheduler": self.sched}
+
     def services(self):
         return [(add_exchange_to_server, self.exchange.servicer(), "swarmnode.NoLoCo"),
-                (weights_pb2_grpc.add_WeightServiceServicer_to_server, self.state_servicer, "swarmnode.WeightService")]
+                (add_state_service, self.state_servicer, "swarmnode.WeightService")]
 
     # ---------------- start-up ----------------
     async def start(self) -> None:
@@ -166,33 +167,33 @@ class NoLoCoRole(RoleBase):
         corpus = load_corpus(data)
         shard = int(hashlib.sha256(self.ctx.peer_id.encode()).hexdigest(), 16) % self.cfg.data_shards
         self.shard = shard
-        self.train_iter = None
         self._corpus = corpus
         self.eval_set = eval_batches(corpus.val, data.batch_size, data.seq_len, self.cfg.eval_batches)
         log.info("data ready: %s, %d train / %d val tokens, shard %d of %d", corpus.source, corpus.train.numel(),
                  corpus.val.numel(), shard, self.cfg.data_shards,
                  extra={"event": "data_ready", "train_tokens": int(corpus.train.numel()), "shard": shard})
 
-    def _make_optimizer(self, start_step: int) -> None:
-        inner = self.cfg.inner
-        self.opt = build_optimizer(self.params, inner)
-        self.sched = inner_lr_scheduler(self.opt, inner, start_step=start_step)
+    def _new_inner(self, start_step: int):
+        """Fresh inner optimizer and LR schedule positioned at ``start_step``."""
+        opt = build_optimizer(self.params, self.cfg.inner)
+        return opt, inner_lr_scheduler(opt, self.cfg.inner, start_step=start_step)
+
+    def _start_data(self, start_step: int) -> None:
         self.train_iter = batches(self._corpus.train, self.s.data.batch_size, self.s.data.seq_len, self.cfg.seed,
                                   shard=self.shard, num_shards=self.cfg.data_shards, start_step=start_step)
 
     async def _main(self) -> None:
-        await asyncio.to_thread(self._setup_data)
+        await self.compute.run(self._setup_data)
         resumed = False
         if self.ctx.config.resume:
-            resumed = await asyncio.to_thread(self._try_resume)
-        if not resumed:
-            self._make_optimizer(0)
-            if self.cfg.join_from_peers:
-                await self._try_join()
-        self._take_snapshot()
-        eval0 = await asyncio.to_thread(evaluate, self.model, self.eval_set)
-        M.EVAL_LOSS_INITIAL.set(eval0)
-        M.EVAL_LOSS.set(eval0)
+            resumed = await self.compute.run(self._try_resume)
+        if not resumed and self.cfg.join_from_peers:
+            await self._try_join()
+        self._start_data(self.step)
+        await self._take_snapshot()
+        eval0 = await self.compute.run(evaluate, self.model, self.eval_set)
+        NM.EVAL_LOSS_INITIAL.set(eval0)
+        NM.EVAL_LOSS.set(eval0)
         M.OUTER_ROUND.set(self.round)
         self.ctx.card.update(round=self.round, outer=self.cfg.outer, cfg_hash=self.cfg_hash)
         await self.ctx.set_role_ready(True, "ready", "")
@@ -208,8 +209,8 @@ class NoLoCoRole(RoleBase):
                 raise
             if self.cfg.exit_after_steps and self.step >= self.cfg.exit_after_steps:
                 self._stopping = True
-                final_eval = await asyncio.to_thread(evaluate, self.model, self.eval_set)
-                M.EVAL_LOSS.set(final_eval)
+                final_eval = await self.compute.run(evaluate, self.model, self.eval_set)
+                NM.EVAL_LOSS.set(final_eval)
                 log.info("reached %d inner steps (round %d, eval loss %.4f -> %.4f): draining", self.step,
                          self.round, eval0, final_eval,
                          extra={"event": "training_finished", "step": self.step, "round": self.round,
@@ -226,20 +227,22 @@ class NoLoCoRole(RoleBase):
         except Exception as exc:  # noqa: BLE001 - no view of the swarm: nothing to fetch
             log.warning("could not read node cards to find a state donor: %r", exc)
             return None
-        donors = [v for v in self._ready_peers(views) if (card_int(v, "round") or 0) >= min_round]
-        random.shuffle(donors)  # ties in round: a random donor, so joiners spread the load
-        donors.sort(key=lambda v: -(card_int(v, "round") or 0))
+        donors = order_donors(views, role=self.name, cfg_hash=self.cfg_hash, exclude=self.ctx.peer_id,
+                              min_progress=min_round)  # most advanced first, random among ties
         expected = {n: (torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)}
         for donor in donors[:3]:
+            addr = donor.card.grpc_addr
             try:
-                rnd, tensors = await fetch_state(donor.card.grpc_addr, self.ctx.config.run_id, self.ctx.peer_id,
-                                                 self.cfg_hash, expected,
-                                                 max_message_bytes=self.ctx.config.grpc.max_message_bytes)
+                meta, tensors = await fetch_state(addr, self.ctx.config.run_id, self.ctx.peer_id,
+                                                  self.cfg_hash, expected, round=self.round,
+                                                  max_message_bytes=self.ctx.config.grpc.max_message_bytes,
+                                                  offload=self.compute.run)
+                rnd = meta_int(meta, "round", addr)
             except StateFetchError as exc:
-                M.STATE_DOWNLOADS.labels(outcome="failed").inc()
+                NM.STATE_DOWNLOADS.labels(outcome="failed").inc()
                 log.warning("state download failed: %s", exc, extra={"event": "state_download_failed"})
                 continue
-            M.STATE_DOWNLOADS.labels(outcome="ok").inc()
+            NM.STATE_DOWNLOADS.labels(outcome="ok").inc()
             return rnd, [tensors[n] for n in self.names], donor.peer_id
         return None
 
@@ -248,15 +251,24 @@ class NoLoCoRole(RoleBase):
         got = await self._fetch_from_donor(min_round=1)
         if got is not None:
             rnd, phi, donor = got
-            with torch.no_grad():
-                copy_into(self.params, phi)
-            self.outer = make_outer([p.detach() for p in self.params], self.cfg)
-            self.round = rnd
-            self.step = rnd * self.cfg.inner_steps
-            self._make_optimizer(self.step)
-            self._round_start_step = self.step
+            await self.compute.run(self._adopt_joined, rnd, phi)
             log.info("joined at round %d with state from %s", rnd, donor,
                      extra={"event": "resume", "source": "peer", "round": rnd, "donor": donor})
+
+    def _adopt_joined(self, rnd: int, phi: list[torch.Tensor]) -> None:
+        """A joiner takes a donor's phi and round, with fresh Adam state and m = 0 (compute thread)."""
+        with torch.no_grad():
+            copy_into(self.params, phi)
+        self.outer = make_outer([p.detach() for p in self.params], self.cfg)
+        self.round = rnd
+        self.step = rnd * self.cfg.inner_steps
+        self.opt, self.sched = self._new_inner(self.step)
+        self._round_start_step = self.step
+
+    def _set_phi(self, phi: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.outer.set_phi(phi)
+            copy_into(self.params, self.outer.phi)
 
     async def _resync_phi(self) -> None:
         """DiLoCo assumes identical phi: after a missed global round, take a peer's phi (and round);
@@ -265,61 +277,52 @@ class NoLoCoRole(RoleBase):
         if got is None:
             return
         rnd, phi, donor = got
-        with self._compute, torch.no_grad():
-            self.outer.set_phi(phi)
-            copy_into(self.params, self.outer.phi)
+        await self.compute.run(self._set_phi, phi)
         self.round = rnd
-        self._take_snapshot()
+        await self._take_snapshot()
         log.info("re-fetched phi at round %d from %s after a missed DiLoCo round", rnd, donor,
                  extra={"event": "phi_resync", "round": rnd, "donor": donor})
 
     def _try_resume(self) -> bool:
+        """Load the latest checkpoint (compute thread); False: none, or unusable (logged)."""
         try:
-            state = checkpoint.load(self.ctx.config.state_dir)
-        except checkpoint.CheckpointError as exc:
-            M.CHECKPOINTS.labels(outcome="corrupt").inc()
-            log.error("%s", exc, extra={"event": "checkpoint_corrupt"})
+            state = self.checkpointer.read(required=CHECKPOINT_PARTS)
+            if state is None:
+                log.info("no checkpoint in %s: starting fresh", self.ctx.config.state_dir)
+                return False
+            step, rnd = int(state["meta"]["step"]), int(state["meta"]["round"])
+            self.opt, self.sched = self._new_inner(step)
+            self.checkpointer.apply(state, self._parts())
+        except (CheckpointError, KeyError, ValueError, TypeError) as exc:
+            mismatch = isinstance(exc, CheckpointError) and exc.reason == "mismatch"
+            log.error("checkpoint not loaded: %s", exc if isinstance(exc, CheckpointError) else f"bad metadata {exc!r}",
+                      extra={"event": "checkpoint_mismatch" if mismatch else "checkpoint_corrupt"})
+            self.opt, self.sched = self._new_inner(0)  # start fresh: nothing positioned at the file's step
             return False
-        if state is None:
-            log.info("no checkpoint in %s: starting fresh", self.ctx.config.state_dir)
-            return False
-        if state["cfg_hash"] != self.cfg_hash:
-            log.error("checkpoint was written with cfg_hash %s, this run has %s: not loaded",
-                      state["cfg_hash"], self.cfg_hash, extra={"event": "checkpoint_mismatch"})
-            return False
-        self.model.load_state_dict(state["model"])
-        self.outer.load_state_dict(state["outer"])
-        self.step, self.round = int(state["step"]), int(state["round"])
-        self._make_optimizer(self.step)
-        self.opt.load_state_dict(state["inner_optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
+        self.step, self.round = step, rnd
         self._round_start_step = self.step
-        M.CHECKPOINTS.labels(outcome="loaded").inc()
         log.info("resumed from checkpoint at round %d step %d", self.round, self.step,
                  extra={"event": "resume", "source": "checkpoint", "round": self.round, "step": self.step})
         return True
 
     def _save_checkpoint(self) -> None:
-        checkpoint.save(self.ctx.config.state_dir, {
-            "round": self.round, "step": self.step, "cfg_hash": self.cfg_hash,
-            "model": self.model.state_dict(), "outer": self.outer.state_dict(),
-            "inner_optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()})
-        M.CHECKPOINTS.labels(outcome="written").inc()
+        self.checkpointer.save(self._parts(), {"round": self.round, "step": self.step})
 
-    def _take_snapshot(self) -> None:
-        self._snapshot = Snapshot(self.round, list(self.names), [t.detach().to(torch.float32).clone()
-                                                                 for t in self.outer.phi])
+    def _snapshot_now(self) -> StateSnapshot:
+        return StateSnapshot({"round": self.round}, {n: t.detach().to(torch.float32).clone()
+                                                     for n, t in zip(self.names, self.outer.phi)})
+
+    async def _take_snapshot(self) -> None:
+        """The state joiners download: phi at the last outer step (cloned on the compute thread)."""
+        self._snapshot = await self.compute.run(self._snapshot_now)
 
     # ---------------- training ----------------
     def _inner_steps(self, n: int) -> float:
-        with self._compute:
-            return self._inner_steps_locked(n)
-
-    def _inner_steps_locked(self, n: int) -> float:
+        """``n`` inner steps (compute thread)."""
         self.model.train()
         loss_val = float("nan")
         for _ in range(n):
-            if self._stopping:  # drain: stop after the current step, the round is abandoned
+            if self._stopping or self.compute.stopping:  # drain: stop after this step, abandon the round
                 break
             t0 = time.perf_counter()
             batch = next(self.train_iter)
@@ -328,51 +331,50 @@ class NoLoCoRole(RoleBase):
                 time.sleep(self.cfg.compute_delay_s)
             if self._first_loss is None:
                 self._first_loss = loss_val
-                M.TRAIN_LOSS_INITIAL.set(loss_val)
             self._last_loss = loss_val
             self.step += 1
-            M.TRAIN_STEPS.inc()
-            M.TRAIN_TOKENS.inc(batch[0].numel())
-            M.TRAIN_LOSS.set(loss_val)
-            M.STEP_SECONDS.observe(time.perf_counter() - t0)
-            M.LAST_STEP.set(time.time())
+            NM.record_train_step(loss_val, batch[0].numel(), time.perf_counter() - t0)
         return loss_val
 
-    def _outer_step(self, theta_bar, phi_bar, n: int) -> float:
-        with self._compute, torch.no_grad():
+    def _outer_step(self, mean, n: int) -> tuple[float, float | None]:
+        """Outer step on the compute thread: (update norm, replica spread or None when solo)."""
+        theta_bar = phi_bar = spread = None
+        with torch.no_grad():
+            if mean is not None and n > 1:  # the exchange hands out only verified, finite means
+                theta_bar, phi_bar = self.outer.split_means(mean)
+                spread = float(torch.sqrt(sum(((t.to(torch.float32) - tb) ** 2).sum() for t, tb in
+                                              zip(self.params, theta_bar)) / sum(p.numel() for p in self.params)))
+            else:
+                n = 1
             before = [p.clone() for p in self.outer.phi]
             theta = [p.detach() for p in self.params]
             phi = self.outer.outer_step(theta, theta_bar, phi_bar, n=n)
             copy_into(self.params, phi)
-            return float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(phi, before))))
+            return float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(phi, before)))), spread
 
     async def _one_round(self) -> None:
         h = self.cfg.inner_steps
         if self.cfg.exit_after_steps:
             h = max(1, min(h, self.cfg.exit_after_steps - self.step))
-        loss = await asyncio.to_thread(self._inner_steps, h)
+        loss = await self.compute.run(self._inner_steps, h)
         if self._stopping:
             return
         rnd = await self._catch_up_round() if self._catch_up else self.round
-        tensors = self.outer.exchange_tensors([p.detach() for p in self.params])
+        tensors = await self.compute.run(self.outer.exchange_tensors, [p.detach() for p in self.params])
         timeout = self.cfg.round_timeout
         if self.cfg.outer == "diloco":
             expected = await self._live_workers()
             res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
         else:
             res = await self.exchange.pair_average(rnd, tensors, timeout)
-        n, theta_bar, phi_bar, outcome, reason = res.n, None, None, res.outcome, res.reason
-        if res.mean is not None and n > 1:  # the exchange hands out only verified, finite means
-            theta_bar, phi_bar = self.outer.split_means(res.mean)
-            spread = torch.sqrt(sum(((t.to(torch.float32) - tb) ** 2).sum() for t, tb in
-                                    zip(self.params, theta_bar)) / sum(p.numel() for p in self.params))
-            M.REPLICA_SPREAD.set(float(spread))
-        else:
-            n = 1
-        norm = await asyncio.to_thread(self._outer_step, theta_bar, phi_bar, n)
+        outcome, reason = res.outcome, res.reason
+        n = res.n if res.mean is not None and res.n > 1 else 1
+        norm, spread = await self.compute.run(self._outer_step, res.mean, n)
+        if spread is not None:
+            M.REPLICA_SPREAD.set(spread)
         self.round = rnd + 1
         self._round_start_step = self.step
-        self._take_snapshot()
+        await self._take_snapshot()
         M.OUTER_ROUNDS.labels(outcome=outcome if n > 1 else ("solo" if outcome == "ok" else outcome)).inc()
         if n == 1:
             M.SOLO_ROUNDS.labels(reason=reason or "no_partner").inc()
@@ -399,9 +401,9 @@ class NoLoCoRole(RoleBase):
                         "reason": reason, "partners": list(res.partners), "train_loss": loss,
                         "blocked_s": round(res.blocked_s, 3), "step": self.step})
         if self.cfg.eval_every and self.round % self.cfg.eval_every == 0:
-            M.EVAL_LOSS.set(await asyncio.to_thread(evaluate, self.model, self.eval_set))
+            NM.EVAL_LOSS.set(await self.compute.run(evaluate, self.model, self.eval_set))
         if self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
-            await asyncio.to_thread(self._save_checkpoint)
+            await self.compute.run(self._save_checkpoint)
         if self.cfg.outer == "diloco" and n == 1 and outcome != "ok":
             await self._resync_phi()
 
@@ -439,6 +441,7 @@ class NoLoCoRole(RoleBase):
         """Finish the current round only if it ends within the budget, else leave it; then
         checkpoint the state of the last completed outer step."""
         self._stopping = True
+        self.compute.stop()
         task = self._round_task
         if task is not None and not task.done():
             try:
@@ -446,21 +449,25 @@ class NoLoCoRole(RoleBase):
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - leaving mid-round is allowed
                 task.cancel()
         await self.exchange.close()
-        if not (self.cfg.checkpoint_every and hasattr(self, "opt") and self.step > 0):
+        if not (self.cfg.checkpoint_every and self.step > 0):
+            self.compute.close()
             return
-        got = await asyncio.to_thread(self._compute.acquire, True, max(0.1, budget_s / 4))
-        if not got:
+        if not await self.compute.drain(max(0.1, budget_s / 4)):
             log.warning("compute thread still busy: no final checkpoint", extra={"event": "checkpoint_skipped"})
+            self.compute.close()
             return
         try:
-            if self.step != self._round_start_step:  # an abandoned round: back to the last outer step
-                with torch.no_grad():
-                    copy_into(self.params, self.outer.phi)
-                self.step = self._round_start_step
-            await asyncio.to_thread(self._save_checkpoint)
+            await self.compute.run(self._final_checkpoint)
             log.info("checkpoint written at round %d", self.round, extra={"event": "checkpoint_written",
                                                                           "round": self.round})
         except Exception as exc:  # noqa: BLE001 - a failed final checkpoint is reported, not fatal
             log.warning("final checkpoint failed: %r", exc, extra={"event": "checkpoint_failed"})
         finally:
-            self._compute.release()
+            self.compute.close()
+
+    def _final_checkpoint(self) -> None:
+        if self.step != self._round_start_step:  # an abandoned round: back to the last outer step
+            with torch.no_grad():
+                copy_into(self.params, self.outer.phi)
+            self.step = self._round_start_step
+        self._save_checkpoint()

@@ -1,14 +1,18 @@
-"""Joiner state download over a real gRPC server (N16): exact phi and round, mismatched
-config or shapes and tampered streams rejected with a clear error."""
+"""State download over a real gRPC server (N16), on the generic node/state_sync API: exact
+weights and metadata, weights plus optimizer state on request, mismatched config, run or shapes
+and tampered or non-finite streams rejected with a clear error; the per-donor cap holds."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
 import torch
 
-from optimizers.state_sync import Snapshot, StateFetchError, StateServicer, fetch_state
-from protocol import weights_pb2_grpc
+from node.state_sync import (StateFetchError, StateServicer, StateSnapshot, add_state_service, fetch_state,
+                             meta_int, split_optimizer)
+from protocol.codec import parse_chunk
 from protocol.grpc_options import server_options
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,9 +25,13 @@ def _tensors(seed=0):
     return [torch.randn(300, 64, generator=g), torch.randn(64, 64, generator=g)]
 
 
+def _snap(ts, rnd=5, optimizer=None):
+    return StateSnapshot({"round": rnd, "stage": 0}, dict(zip(NAMES, ts)), optimizer)
+
+
 async def _serve(servicer):
     server = grpc.aio.server(options=server_options())
-    weights_pb2_grpc.add_WeightServiceServicer_to_server(servicer, server)
+    add_state_service(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -35,18 +43,50 @@ def _expected(tensors):
 
 async def test_fetch_returns_exact_state_and_round():
     ts = _tensors()
-    server, addr = await _serve(StateServicer("run", "cfg1", lambda: Snapshot(5, NAMES, ts)))
+    server, addr = await _serve(StateServicer("run", "cfg1", lambda: _snap(ts)))
     try:
-        rnd, got = await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30)
-        assert rnd == 5
+        meta, got = await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30)
+        assert meta_int(meta, "round") == 5 and meta["stage"] == "0" and "cfg_hash" not in meta
+        assert sorted(got) == sorted(NAMES)
         assert all(torch.equal(got[n], t) for n, t in zip(NAMES, ts))
+    finally:
+        await server.stop(0)
+
+
+async def test_weights_plus_optimizer_on_request_only():
+    ts = _tensors()
+    opt = {"adam.m.0": torch.full((4,), 0.5), "adam.step": torch.tensor([7], dtype=torch.int64)}
+    server, addr = await _serve(StateServicer("run", "cfg1", lambda: _snap(ts, optimizer=opt)))
+    try:
+        o_exp = {n: (t.dtype, tuple(t.shape)) for n, t in opt.items()}
+        _, got = await fetch_state(addr, "run", "me", "cfg1", _expected(ts), optimizer=o_exp, timeout=30)
+        w, o = split_optimizer(got)
+        assert sorted(w) == sorted(NAMES) and sorted(o) == sorted(opt)
+        assert all(torch.equal(o[n], t) for n, t in opt.items())
+        _, plain = await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30)
+        assert sorted(plain) == sorted(NAMES)  # want=weights: no optimizer tensors sent
+    finally:
+        await server.stop(0)
+
+
+async def test_wrong_stage_and_weights_only_donor_are_refused():
+    ts = _tensors()
+    server, addr = await _serve(StateServicer("run", "cfg1", lambda: _snap(ts)))
+    try:
+        with pytest.raises(StateFetchError, match="FAILED_PRECONDITION.*stage 0, not 3"):
+            await fetch_state(addr, "run", "me", "cfg1", _expected(ts), stage=3, timeout=30)
+        with pytest.raises(StateFetchError, match="FAILED_PRECONDITION.*weights only"):
+            await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30,
+                              optimizer={"adam.m.0": (torch.float32, (4,))})
+        meta, _ = await fetch_state(addr, "run", "me", "cfg1", _expected(ts), stage=0, timeout=30)
+        assert meta_int(meta, "round") == 5
     finally:
         await server.stop(0)
 
 
 async def test_mismatched_cfg_run_and_shapes_are_refused():
     ts = _tensors()
-    server, addr = await _serve(StateServicer("run", "cfg1", lambda: Snapshot(5, NAMES, ts)))
+    server, addr = await _serve(StateServicer("run", "cfg1", lambda: _snap(ts)))
     try:
         with pytest.raises(StateFetchError, match="cfg_hash"):
             await fetch_state(addr, "run", "me", "other", _expected(ts), timeout=30)
@@ -59,23 +99,46 @@ async def test_mismatched_cfg_run_and_shapes_are_refused():
         await server.stop(0)
 
 
+async def test_per_donor_cap_refuses_beyond_max_concurrent():
+    ts = _tensors()
+    gate = asyncio.Event()
+
+    class _Slow(StateServicer):
+        async def Fetch(self, request, context):  # noqa: N802
+            async for frame in super().Fetch(request, context):
+                await gate.wait()
+                yield frame
+
+    server, addr = await _serve(_Slow("run", "cfg1", lambda: _snap(ts), max_concurrent=1))
+    try:
+        first = asyncio.ensure_future(fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30))
+        await asyncio.sleep(0.5)
+        with pytest.raises(StateFetchError, match="RESOURCE_EXHAUSTED"):
+            await fetch_state(addr, "run", "me2", "cfg1", _expected(ts), timeout=30)
+        gate.set()
+        meta, _ = await first
+        assert meta_int(meta, "round") == 5
+    finally:
+        await server.stop(0)
+
+
 class _Tampering(StateServicer):
     """A donor that flips one payload byte after the digest was computed."""
 
     async def Fetch(self, request, context):  # noqa: N802
         flipped = False
         async for frame in super().Fetch(request, context):
-            if not flipped and frame.WhichOneof("kind") == "chunk":
-                data = bytearray(frame.chunk.data)
-                data[10] ^= 0xFF
-                frame.chunk.data = bytes(data)
+            if not flipped and parse_chunk(frame) is not None:
+                data = bytearray(frame)
+                data[-10] ^= 0xFF
+                frame = bytes(data)
                 flipped = True
             yield frame
 
 
 async def test_tampered_stream_is_rejected():
     ts = _tensors()
-    server, addr = await _serve(_Tampering("run", "cfg1", lambda: Snapshot(5, NAMES, ts)))
+    server, addr = await _serve(_Tampering("run", "cfg1", lambda: _snap(ts)))
     try:
         with pytest.raises(StateFetchError, match="checksum"):
             await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30)
@@ -86,7 +149,7 @@ async def test_tampered_stream_is_rejected():
 async def test_nonfinite_state_is_rejected():
     ts = _tensors()
     ts[1][3, 3] = float("nan")
-    server, addr = await _serve(StateServicer("run", "cfg1", lambda: Snapshot(5, NAMES, ts)))
+    server, addr = await _serve(StateServicer("run", "cfg1", lambda: _snap(ts)))
     try:
         with pytest.raises(StateFetchError, match="nonfinite"):
             await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30)
