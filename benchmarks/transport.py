@@ -14,6 +14,13 @@ Measures, for 1, 16 and 256 MiB float32 tensors on 127.0.0.1:
     tensor's memory, ``recv_into`` a buffer preallocated per transfer (as the codec
     preallocates a fresh tensor per transfer), no checksum.
 
+(c) stream mode: 1 and 4 MiB tensors back to back (64 MiB per burst) on ONE open
+    ``protocol.streams`` TensorStream (codec, digest trailer, flow control), side by side with
+    raw gRPC streaming of the same bytes (bytes in/out, no codec: gRPC Python's ceiling) and
+    the socket; plus one-tensor (1 MiB) hop latency p50/p99 = half an echo round trip.
+
+Every process calls ``protocol.grpc_options.tune_allocator()`` first (as the node should at
+start; ``--malloc default`` skips it, to see what it buys: about 2x on the stream here).
 gRPC and socket transfers alternate within each repeat, so machine load hits both alike;
 on a shared 2-core box absolute numbers still swing by 2x between runs (loadavg is
 recorded in the JSON).
@@ -57,7 +64,15 @@ def _tensor(size_mib: int):
 
 # ----------------------------------------------------------------------------- gRPC side
 
-def _grpc_server_main(port_q, stop_ev, sizes, chunk_bytes):
+def _tune(malloc: str) -> bool:
+    from protocol.grpc_options import tune_allocator
+    if malloc == "default":
+        os.environ["SWARMNODE_MALLOC"] = "default"
+    return tune_allocator()
+
+
+def _grpc_server_main(port_q, stop_ev, sizes, chunk_bytes, malloc):
+    _tune(malloc)
     asyncio.run(_grpc_server(port_q, stop_ev, sizes, chunk_bytes))
 
 
@@ -125,16 +140,17 @@ def _add_stream_service(server):
             else:  # echo
                 await stream.send(got.name, got.tensor, got.meta)
 
-    svc = TensorStreamService(run_id="bench", peer_id="server", max_tensor_bytes=16 * MiB, chunk_bytes=int(os.environ.get("BENCH_CHUNK", 4 * MiB)))
+    svc = TensorStreamService(run_id="bench", peer_id="server", max_tensor_bytes=16 * MiB)
     svc.register("bench", on_stream)
     add_tensor_stream_to_server(svc, server)
 
 
 # ----------------------------------------------------------------------------- socket side
 
-def _sock_server_main(port_q, sizes):
+def _sock_server_main(port_q, sizes, malloc):
     """Requests are (op, MiB, n) as three little-endian u64: op 0 = send one tensor of that
     size (fetch), 1 = send n back to back (burst), 2 = read one that size and send it back."""
+    _tune(malloc)
     bufs = {s: memoryview(_tensor(s).numpy()).cast("B") for s in set(sizes) | set(STREAM_SIZES_MIB)}
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
@@ -289,13 +305,14 @@ async def _measure_streams(ch, sock, repeats, echo_n):
     return {"bursts": out, "hops": hops}
 
 
-def run(sizes, repeats, stream_repeats=9, echo_n=100, chunk_bytes=None):
+def run(sizes, repeats, stream_repeats=9, echo_n=100, chunk_bytes=None, malloc="tuned"):
     from protocol.codec import DEFAULT_CHUNK_BYTES
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+    _tune(malloc)
     ctx = mp.get_context("spawn")
     gq, sq, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_grpc_server_main, args=(gq, stop_ev, sizes, chunk_bytes), daemon=True),
-             ctx.Process(target=_sock_server_main, args=(sq, sizes), daemon=True)]
+    procs = [ctx.Process(target=_grpc_server_main, args=(gq, stop_ev, sizes, chunk_bytes, malloc), daemon=True),
+             ctx.Process(target=_sock_server_main, args=(sq, sizes, malloc), daemon=True)]
     for p in procs:
         p.start()
     try:
@@ -316,13 +333,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="3 repeats per size instead of 7")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)),
                     help="fetch sizes in MiB, comma-separated (the summary's 256 MiB ratio needs 256)")
+    ap.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
+                    help="tuned: every process calls protocol.grpc_options.tune_allocator() as the node "
+                         "daemon does; default: glibc's own settings (to see what the tuning buys)")
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else 7
     sizes = [int(x) for x in args.sizes.split(",") if x]
 
     t0 = time.time()
     stream_repeats = 9 if args.quick else 21
-    times, streams = run(sizes, repeats, stream_repeats, echo_n=100 if args.quick else 300)
+    times, streams = run(sizes, repeats, stream_repeats, echo_n=100 if args.quick else 300, malloc=args.malloc)
 
     results, summary = [], {}
     for s in sizes:
@@ -369,6 +389,7 @@ def main(argv=None) -> dict:
                       "grpc": grpc.__version__, "torch": torch.__version__,
                       "python": platform.python_version(), "cpus": os.cpu_count(),
                       "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+                      "malloc": args.malloc,
                       "socket_receiver": "fresh np.empty per transfer (the codec allocates a fresh tensor too)"},
            "wall_s": round(time.time() - t0, 1)}
     Path(args.out).write_text(json.dumps(doc, indent=2))

@@ -23,13 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import noloco_pb2
-from protocol.codec import (DEFAULT_CHUNK_BYTES, THREAD_BYTES, ChunkView, aencode_frames, all_finite, digests,
-                            dtype_name, parse_chunk, serialize_frame)
-from protocol.streams import IDLE_S, OPEN_WAIT_S, PeerError, Refused, remaining, task
+from protocol.codec import DEFAULT_CHUNK_BYTES, ChunkView, aencode_frames, dtype_name, parse_chunk, serialize_frame
 
 __all__ = ["Spec", "spec_hash", "header_frame", "encode_tensors", "serialize", "parse_wire", "split",
-           "spec_bytes", "digests", "all_finite", "ExchangeResult", "Round", "Refused", "PeerError",
-           "THREAD_BYTES", "IDLE_S", "OPEN_WAIT_S", "task", "remaining"]
+           "spec_bytes", "ExchangeResult", "Round"]
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 

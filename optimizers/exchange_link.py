@@ -23,7 +23,7 @@ from node.netem import LinkEmulator
 from optimizers import exchange_common as C
 from protocol.codec import DEFAULT_CHUNK_BYTES, THREAD_BYTES, ChunkView, TensorAssembler, TensorRejected, all_finite
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
-from protocol.streams import ChannelPool, PeerError, next_frame, remaining
+from protocol.streams import IDLE_S, ChannelPool, PeerError, next_frame, remaining
 
 log = logging.getLogger("swarmnode.noloco.exchange")
 
@@ -66,7 +66,7 @@ class ExchangeLink:
 
     async def next(self, read, deadline: float):
         """Next frame from ``read()`` within the idle/deadline bound; raises PeerError at EOF."""
-        return await next_frame(read, deadline, C.IDLE_S)
+        return await next_frame(read, deadline, IDLE_S)
 
     def encode(self, tensors: list[torch.Tensor], wire: bool, peer: str, digests: asyncio.Task | None):
         """Our tensors as ExchangeFrames, paced for ``peer``: async iterator of (frame, payload bytes)."""

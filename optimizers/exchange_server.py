@@ -17,11 +17,11 @@ import time
 import grpc
 
 from optimizers import exchange_common as C
-from optimizers.exchange_common import COUNTED, LOCK_WAIT_S, OPEN_WAIT_S, SERVICE
+from optimizers.exchange_common import COUNTED, LOCK_WAIT_S, SERVICE
 from optimizers.exchange_link import ExchangeLink
 from protocol import noloco_pb2_grpc
 from protocol.codec import TensorRejected
-from protocol.streams import PeerError, Refused, remaining, task
+from protocol.streams import OPEN_WAIT_S, PeerError, Refused, remaining, task
 from security.keys import public_key_of
 
 __all__ = ["NoLoCoServicer", "add_exchange_to_server"]

@@ -124,10 +124,6 @@ def parse(data: bytes) -> Frame:
     return f
 
 
-def _len_field(tag: bytes, body) -> tuple[bytes, object]:
-    return tag + encode_varint(len(body)), body
-
-
 def check_meta(meta: Mapping[str, str] | None) -> dict[str, str]:
     """Validate a meta map (both ends use it: the sender fails early, the receiver rejects)."""
     if not meta:
@@ -226,10 +222,6 @@ class StreamAssembler:
         self.next_seq = 0
         self._p: _Pending | None = None
         self._failed: TensorRejected | None = None
-
-    @property
-    def in_progress(self) -> bool:
-        return self._p is not None
 
     def feed(self, f: Frame) -> Received | None:
         if self._failed is not None:

@@ -13,7 +13,7 @@ Open tensor stream (``swarmnode.TensorStream/Open``)::
     svc.register("activations", on_stream)         # async def on_stream(stream: TensorStream)
     add_tensor_stream_to_server(svc, server)
     # client
-    stream = await open_stream(pool.get(addr), run_id=..., sender=..., channel="activations",
+    stream = await open_stream(pool.get(addr), run_id=..., sender=..., channel_name="activations",
                                max_tensor_bytes=...)
     await stream.send("x", tensor, {"mb": "3", "path": "1", "hop": "2"})
     got = await stream.recv()                      # Received(name, tensor, meta, seq)
@@ -215,8 +215,9 @@ class TensorStream:
                     raise StreamClosed("the peer ended the stream; it grants no more credit")
                 self._credit_ev.clear()
                 try:
-                    await asyncio.wait_for(self._credit_ev.wait(), timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                        await self._credit_ev.wait()
+                except TimeoutError:
                     raise TimeoutError(f"no credit from {self.peer.sender[:16]} for {timeout} s: the peer "
                                        f"has {self.peer.window} unread tensors; it consumes too slowly") from None
             self._check_open_for_send()
@@ -239,8 +240,9 @@ class TensorStream:
                 raise StreamClosed("the peer ended the stream" if self._eof else "the stream is closed")
             self._ready.clear()
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    await self._ready.wait()
+            except TimeoutError:
                 raise TimeoutError(f"no tensor from {self.peer.sender[:16]} in {timeout} s") from None
         item = self._queue.popleft()
         self._ungranted += 1

@@ -9,7 +9,7 @@ import torch
 from optimizers.diloco import DiLoCoOuter
 from optimizers.grouping import groups_for_roster
 from optimizers.config import NoLoCoConfig
-from optimizers.exchange_common import all_finite
+from protocol.codec import all_finite
 from optimizers.noloco import NoLoCoOuter, copy_into, make_outer, replica_spread
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]

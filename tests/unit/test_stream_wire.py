@@ -1,0 +1,154 @@
+"""protocol/stream_wire.py: frame layout, digest trailer, caps before allocation, flow-control
+frames and metadata, frame by frame (no network)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from protocol import stream_pb2, stream_wire
+from protocol.codec import MiB, TensorRejected
+from protocol.stream_wire import (StreamAssembler, credit_frame, error_frame, hello_frame, parse, parse_hello,
+                                  tensor_frames)
+
+
+def _roundtrip(tensors, chunk=MiB, cap=64 * MiB):
+    asm, out = StreamAssembler(cap), []
+    for seq, (name, t, meta) in enumerate(tensors):
+        for data in tensor_frames(seq, name, t, meta, chunk):
+            got = asm.feed(parse(data))
+            if got is not None:
+                out.append(got)
+    return out
+
+
+def test_small_tensor_is_one_frame_matching_protobuf():
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    frames = list(tensor_frames(3, "x", t, {"mb": "1"}))
+    assert len(frames) == 1
+    pb = stream_pb2.StreamFrame.FromString(frames[0])  # our hand layout is valid protobuf
+    assert pb.seq == 3 and pb.head.name == "x" and list(pb.head.shape) == [2, 3]
+    assert pb.head.total_bytes == 24 and dict(pb.head.meta) == {"mb": "1"} and len(pb.digest) == 16
+    assert bytes(pb.data) == t.numpy().tobytes()
+
+
+def test_many_tensors_roundtrip_exact_with_meta_in_order():
+    g = torch.Generator().manual_seed(0)
+    ins = [("a", torch.rand(3 * MiB // 4 + 5, generator=g), {"i": "0"}),   # 3 frames at 1 MiB chunks
+           ("b", torch.randn(4, 5, generator=g).to(torch.bfloat16), {"i": "1", "path": "2"}),
+           ("c", torch.empty(0, 3), {}),
+           ("d", torch.tensor(True), {"i": "3"}),
+           ("e", torch.arange(12, dtype=torch.int64).reshape(3, 4).t(), None)]  # non-contiguous
+    out = _roundtrip(ins)
+    assert [o.name for o in out] == ["a", "b", "c", "d", "e"] and [o.seq for o in out] == [0, 1, 2, 3, 4]
+    for (name, t, meta), o in zip(ins, out):
+        assert o.tensor.dtype == t.dtype and o.tensor.shape == t.shape and torch.equal(o.tensor, t)
+        assert o.meta == (meta or {})
+
+
+def test_frames_parse_in_any_field_order_and_unknown_fields_are_skipped():
+    t = torch.ones(4)
+    pb = stream_pb2.StreamFrame.FromString(next(tensor_frames(0, "x", t)))
+    # protobuf's own serialization orders fields differently from ours; add an unknown field 15
+    data = pb.SerializeToString() + b"\x78\x05"
+    got = StreamAssembler(MiB).feed(parse(data))
+    assert torch.equal(got.tensor, t)
+
+
+def _corrupt(data: bytes, at: int) -> bytes:
+    b = bytearray(data)
+    b[at] ^= 0x01
+    return bytes(b)
+
+
+def test_corrupted_payload_fails_the_digest_and_poisons_the_assembler():
+    frames = list(tensor_frames(0, "x", torch.rand(3 * MiB // 4), None, MiB))
+    asm = StreamAssembler(16 * MiB)
+    asm.feed(parse(frames[0]))
+    asm.feed(parse(_corrupt(frames[1], len(frames[1]) // 2)))  # a byte in the middle chunk
+    with pytest.raises(TensorRejected) as e:
+        asm.feed(parse(frames[2]))
+    assert e.value.reason == "checksum"
+    with pytest.raises(TensorRejected):  # poisoned: nothing more is accepted
+        asm.feed(parse(next(tensor_frames(1, "y", torch.ones(1)))))
+
+
+def test_corrupted_trailer_is_rejected():
+    data = next(tensor_frames(0, "x", torch.ones(8)))
+    with pytest.raises(TensorRejected) as e:
+        StreamAssembler(MiB).feed(parse(_corrupt(data, len(data) - 1)))
+    assert e.value.reason == "checksum"
+
+
+def test_trailer_before_the_last_byte_is_truncated():
+    frames = list(tensor_frames(0, "x", torch.rand(2 * MiB // 4), None, MiB))
+    first = stream_pb2.StreamFrame.FromString(frames[0])
+    first.digest = b"\0" * 16  # claims the tensor ends after one of two chunks
+    with pytest.raises(TensorRejected) as e:
+        StreamAssembler(16 * MiB).feed(parse(first.SerializeToString()))
+    assert e.value.reason == "truncated"
+
+
+def test_cap_is_checked_before_allocating(monkeypatch):
+    allocs = []
+    real = np.empty
+    monkeypatch.setattr(stream_wire.np, "empty", lambda *a, **k: allocs.append(a) or real(*a, **k))
+    head = stream_pb2.StreamTensorHead(name="big", dtype="float32", shape=[1 << 30], total_bytes=4 << 30,
+                                       checksum_alg="xxh3_128")
+    f = stream_pb2.StreamFrame(seq=0, head=head, data=b"\0" * 16)
+    with pytest.raises(TensorRejected) as e:
+        StreamAssembler(8 * MiB, cap_key="limits.max_activation_bytes").feed(parse(f.SerializeToString()))
+    assert e.value.reason == "size" and "limits.max_activation_bytes" in str(e.value)
+    assert allocs == []  # refused before any buffer was made
+    lying = stream_pb2.StreamTensorHead(name="x", dtype="float32", shape=[4], total_bytes=8, checksum_alg="xxh3_128")
+    with pytest.raises(TensorRejected) as e:
+        StreamAssembler(MiB).feed(parse(stream_pb2.StreamFrame(seq=0, head=lying).SerializeToString()))
+    assert e.value.reason == "size" and allocs == []
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda h: setattr(h, "dtype", "complex64"), "dtype"),
+    (lambda h: h.shape.append(-1), "shape"),
+    (lambda h: setattr(h, "checksum_alg", "md5"), "checksum"),
+    (lambda h: h.meta.update({f"k{i}": "v" for i in range(40)}), "malformed"),
+])
+def test_bad_heads_are_refused(mutate, reason):
+    pb = stream_pb2.StreamFrame.FromString(next(tensor_frames(0, "x", torch.ones(2))))
+    mutate(pb.head)
+    with pytest.raises(TensorRejected) as e:
+        StreamAssembler(MiB).feed(parse(pb.SerializeToString()))
+    assert e.value.reason == reason
+
+
+def test_out_of_order_gap_and_repeated_fields_are_malformed():
+    frames = list(tensor_frames(0, "x", torch.rand(3 * MiB // 4), None, MiB))
+    asm = StreamAssembler(16 * MiB)
+    asm.feed(parse(frames[0]))
+    with pytest.raises(TensorRejected, match="gap"):
+        asm.feed(parse(frames[2]))
+    with pytest.raises(TensorRejected, match="seq 1, expected 0"):
+        StreamAssembler(MiB).feed(parse(next(tensor_frames(1, "x", torch.ones(1)))))
+    with pytest.raises(TensorRejected, match="twice"):
+        parse(b"\x08\x01\x08\x02")
+    with pytest.raises(TensorRejected, match="past the end"):
+        parse(b"\x22\x10abc")
+
+
+def test_flow_control_and_error_frames():
+    assert parse(credit_frame(5)).credit == 5 and not parse(credit_frame(5)).is_tensor
+    err = stream_pb2.StreamError.FromString(parse(error_frame("checksum", "bad")).error)
+    assert (err.reason, err.message) == ("checksum", "bad")
+    h = parse_hello(parse(hello_frame("run", "peer", "activations", 8, {"stage": "1"})))
+    assert (h.run_id, h.sender, h.channel, h.window, dict(h.meta)) == ("run", "peer", "activations", 8, {"stage": "1"})
+    with pytest.raises(TensorRejected, match="window"):
+        parse_hello(parse(hello_frame("run", "peer", "c", 0)))
+    with pytest.raises(TensorRejected, match="hello"):
+        parse_hello(parse(credit_frame(1)))
+
+
+def test_sender_checks_meta():
+    with pytest.raises(TypeError, match="str"):
+        list(tensor_frames(0, "x", torch.ones(1), {"mb": 3}))
+    with pytest.raises(TensorRejected):
+        list(tensor_frames(0, "x", torch.ones(1), {"k": "v" * 300}))
