@@ -1,6 +1,6 @@
 """``swarmnode demo``: a whole swarm on 127.0.0.1 with embedded defaults, progress on the terminal.
 
-    swarmnode demo                       # bootstrap + 4 noloco workers, trains the tiny model
+    swarmnode demo                       # bootstrap + the installed training demo's workers
     swarmnode demo --nodes 2 --steps 60 --json
     swarmnode demo --role bootstrap --nodes 3 --duration 20   # membership only, no training
 
@@ -8,6 +8,20 @@ Starts real node processes (``node/localswarm.py``), prints one line per node ev
 seconds (state, and for training roles: steps, loss, outer rounds, eval loss) and a summary at
 the end. Training roles stop by themselves after ``--steps``; ``--duration`` or Ctrl-C stop
 earlier. Everything runs from the embedded defaults: nothing is downloaded.
+
+A role takes part as a *training* demo by registering a module under the ``swarmnode.demos``
+entry-point group (name = role name). That module is imported by this (parent) process, so it
+must import only the standard library (no torch: ``swarmnode demo`` starts in well under a
+second). Its attributes:
+
+- ``DEFAULT_STEPS: int`` and ``DEFAULT_NODES: int``: used without ``--steps`` / ``--nodes``;
+- ``node_settings(steps) -> list[str]``: ``--set`` overrides for every node (the user's win);
+- ``FINISHED_EVENT: str``: the log event a worker writes once with its final figures;
+- ``FINISHED_FIELDS: dict[str, str]``: progress-row key -> field of that event.
+
+The progress figures themselves come from the role-neutral metrics (``swarmnode_train_*``,
+``swarmnode_eval_*``, ``swarmnode_outer_rounds_total``). Without any demo module installed (or
+with ``--role`` naming a role that has none) the demo is membership-only.
 """
 
 from __future__ import annotations
@@ -18,18 +32,27 @@ import math
 import sys
 import tempfile
 import time
+from importlib.metadata import entry_points
+from types import ModuleType
 from typing import Any
 
 from node.localswarm import LocalSwarm, NodeProc
 
-TRAINING_ROLES = ("noloco",)
+DEMO_GROUP = "swarmnode.demos"
+
+
+def demo_module(role: str) -> ModuleType | None:
+    """The role's demo module (``swarmnode.demos`` entry point), or None: membership-only."""
+    found = entry_points(group=DEMO_GROUP, name=role)
+    return next(iter(found)).load() if found else None
 
 
 def _default_role() -> str:
-    """noloco when installed (looked up, not imported: the nodes are other processes), else a
-    membership-only demo."""
-    from importlib.metadata import entry_points
-    return "noloco" if entry_points(group="swarmnode.roles", name="noloco") else "bootstrap"
+    """The first installed role (by name) that registers a demo module, else a membership-only
+    demo. Roles are looked up, not imported: the nodes are other processes."""
+    roles = {ep.name for ep in entry_points(group="swarmnode.roles")}
+    demos = sorted(ep.name for ep in entry_points(group=DEMO_GROUP) if ep.name in roles)
+    return demos[0] if demos else "bootstrap"
 
 
 def _m(metrics: dict[str, float], name: str) -> float | None:
@@ -43,11 +66,11 @@ def _sum(metrics: dict[str, float], name: str) -> float:
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
 
 
-def _finished_event(node: NodeProc) -> dict[str, Any] | None:
-    """The worker's own end-of-training report (its last ``training_finished`` log line)."""
+def _finished_event(node: NodeProc, event: str) -> dict[str, Any] | None:
+    """The worker's own end-of-training report (its last ``event`` log line)."""
     found = None
     for line in node.log_text().splitlines():
-        if '"event": "training_finished"' in line:
+        if f'"event": "{event}"' in line:
             try:
                 found = json.loads(line)
             except json.JSONDecodeError:
@@ -55,7 +78,7 @@ def _finished_event(node: NodeProc) -> dict[str, Any] | None:
     return found
 
 
-def node_progress(node: NodeProc) -> dict[str, Any]:
+def node_progress(node: NodeProc, demo: ModuleType | None = None) -> dict[str, Any]:
     r = node.readyz() or {}
     m = node.metrics() if node.alive() else {}
     if m:
@@ -70,11 +93,9 @@ def node_progress(node: NodeProc) -> dict[str, Any]:
            # higher round label (swarmnode_outer_round) than steps taken
            "rounds": _sum(m, "swarmnode_outer_rounds_total"),
            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
-    done = _finished_event(node) if not node.alive() else None
+    done = _finished_event(node, demo.FINISHED_EVENT) if demo is not None and not node.alive() else None
     if done:  # exact final figures, even if the last scrape missed them
-        row.update(steps=done["step"], rounds=done["outer_steps"], eval_loss=done["eval_loss_end"],
-                   eval_loss_start=done["eval_loss_start"], loss=done["train_loss_end"],
-                   loss_start=done["train_loss_start"], rounds_ok=done["rounds_ok"], state="finished")
+        row.update({key: done[field] for key, field in demo.FINISHED_FIELDS.items()}, state="finished")
     return row
 
 
@@ -107,15 +128,15 @@ def summarize(rows: list[dict[str, Any]], nodes: int, wall: float) -> dict[str, 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     role = args.role or _default_role()
-    training = role in TRAINING_ROLES
-    n = args.nodes if args.nodes is not None else (4 if training else 3)
+    demo = demo_module(role)
+    training = demo is not None
+    n = args.nodes if args.nodes is not None else (demo.DEFAULT_NODES if training else 3)
+    steps = (args.steps or demo.DEFAULT_STEPS) if training else None
     common = list(args.set or [])
     if training:
-        # one torch thread per worker: several workers share this machine's cores
-        common = ["noloco.torch_threads=1", "noloco.exit_after_steps=" + str(args.steps if args.steps else 200),
-                  *common]
+        common = [*demo.node_settings(steps), *common]
     print(f"swarmnode demo: bootstrap + {n} {role} node(s) on 127.0.0.1"
-          + (f", {args.steps or 200} inner steps each" if training else ""), flush=True)
+          + (f", {steps} inner steps each" if training else ""), flush=True)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     workdir = tempfile.mkdtemp(prefix="swarmnode-demo-")  # kept: node logs stay readable afterwards
@@ -132,7 +153,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             while True:
                 time.sleep(3.0)
                 finished = training and all(not w.alive() for w in workers)  # before reading: final rows
-                rows = [node_progress(w) for w in workers]
+                rows = [node_progress(w, demo) for w in workers]
                 print_progress(rows, time.monotonic() - t0)
                 if finished or (args.duration is not None and time.monotonic() - t0 >= args.duration):
                     break

@@ -46,6 +46,11 @@ def test_demo_trains_and_prints_the_json_summary(tmp_path):
     assert summary["loss_end"] < summary["loss_start"], summary
     assert summary["rounds"] >= 1
     assert not left, f"demo left node processes running: {left}"
+    # each worker logged the effective outer momentum at role start (issue 6: the form's default
+    # applies unless set; the demo sets none, so the NoLoCo default 0.5 is the one in force)
+    starts = [json.loads(line) for log in tmp_path.glob("swarmnode-demo-*/*.log")
+              for line in log.read_text().splitlines() if '"event": "outer_config"' in line]
+    assert len(starts) == 2 and all(e["outer_momentum"] == 0.5 and "default" in e["msg"] for e in starts), starts
 
 
 def _processes_mentioning(text: str) -> list[int]:

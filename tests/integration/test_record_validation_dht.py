@@ -87,12 +87,10 @@ def test_signed_record_published_and_forgery_refused(tmp_path):
         # and an untagged overwrite of A's entry
         c.store(KEY, encode_payload(fake), exp, subkey=pid_a)
 
-        for reader in (b, a):
-            found = reader.get(KEY, latest=True)
-            assert found is not None
-            assert read_entries(found.value, Card, key=KEY) == {pid_a: card}
-            assert found.value[pid_a].expiration_time < exp
-
+        # the forgery provably reached the DHT before the readers are asked: a raw read on the
+        # forger (no validator) serves it under A's subkey, and A and B have both refused it
+        raw = c.get(KEY, latest=True)
+        assert raw is not None and pid_a in raw.value and raw.value[pid_a].expiration_time == exp, raw
         counts = {}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -104,6 +102,12 @@ def test_signed_record_published_and_forgery_refused(tmp_path):
         assert total.get("signature", 0) >= 1, counts
         assert total.get("malformed", 0) >= 1, counts
         assert c.run_coroutine(read_rejections) == {}  # no SignedRecordValidator there
+
+        for reader in (b, a):
+            found = reader.get(KEY, latest=True)
+            assert found is not None
+            assert read_entries(found.value, Card, key=KEY) == {pid_a: card}
+            assert found.value[pid_a].expiration_time < exp
     finally:
         for d in reversed(dhts):
             d.shutdown()

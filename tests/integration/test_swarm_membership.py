@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import contextlib
 import subprocess
 import sys
 import time
@@ -32,8 +33,11 @@ def status_json(swarm: LocalSwarm) -> list[dict]:
     return rows
 
 
-def forge_card(bootstrap_maddr: str, run_id: str, victim_peer_id: str) -> None:
-    """A node with its own key stores a card under the victim's subkey (signed with the wrong key)."""
+@contextlib.contextmanager
+def forge_card(bootstrap_maddr: str, run_id: str, victim_peer_id: str):
+    """A DHT peer with its own key (and no validator) stores a card under the victim's subkey,
+    signed with the wrong key, and stays in the swarm serving it; yields ``read_raw()``, the
+    victim's entry as that peer reads it without validation (the forged card once it is stored)."""
     import hivemind
     import msgpack
     from hivemind.utils import get_dht_time
@@ -53,6 +57,12 @@ def forge_card(bootstrap_maddr: str, run_id: str, victim_peer_id: str) -> None:
         value = {"v": RECORD_TAG, "k": key, "p": payload, "s": sig}
         attacker.store(key, value, expiration, subkey=victim_peer_id)
         assert msgpack.unpackb(msgpack.packb(value)) == value  # well-formed; only the signature is wrong
+
+        def read_raw():
+            found = attacker.get(key, latest=True)
+            entry = found.value.get(victim_peer_id) if found is not None else None
+            return entry.value if entry is not None else None
+        yield read_raw
     finally:
         attacker.shutdown()
 
@@ -80,15 +90,23 @@ def test_bootstrap_and_three_nodes(tmp_path):
         assert all(r["state"] == "ready" and r["role"] == "bootstrap" for r in rows)
 
         # a forged card for node-0 is rejected (readers still see the real one) and counted
+        # (asserted only after the forgery provably reached the DHT: the forger serves it raw and
+        # the nodes' rejection counter rose, so "not arrived yet" cannot pass for "refused")
         victim = nodes[0]
-        forge_card(swarm.bootstrap_maddr, swarm.run_id, victim.peer_id)
-        time.sleep(1.0)
-        rows = {r["peer_id"]: r for r in status_json(swarm)}
-        assert rows[victim.peer_id]["version"] != "evil"
-        assert rows[victim.peer_id]["address"] == f"127.0.0.1:{victim.grpc_port}"
-        rejected = sum(v for n in swarm.nodes for k, v in n.metrics().items()
+
+        def rejected() -> float:
+            return sum(v for n in swarm.nodes for k, v in n.metrics().items()
                        if k.startswith("swarmnode_dht_records_rejected_total"))
-        assert rejected >= 1
+        rejected_before = rejected()
+        with forge_card(swarm.bootstrap_maddr, swarm.run_id, victim.peer_id) as read_raw:
+            assert read_raw() is not None, "the forged card is not in the forger's DHT view"
+            deadline = time.monotonic() + 20
+            while rejected() <= rejected_before and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert rejected() > rejected_before, "no node counted the forged card as rejected"
+            rows = {r["peer_id"]: r for r in status_json(swarm)}
+            assert rows[victim.peer_id]["version"] != "evil"
+            assert rows[victim.peer_id]["address"] == f"127.0.0.1:{victim.grpc_port}"
 
         # SIGKILL (the whole process group, as a vanishing spot VM) removes the node within its TTL
         killed = nodes[1]

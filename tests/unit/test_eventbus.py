@@ -138,6 +138,21 @@ def test_counters_stay_monotonic_across_restarts():
     assert c.totals(None)[2][("swarm", "local_bad_signature")] == 1
 
 
+
+def test_status_tells_an_unreachable_node_what_to_fix():
+    from node.status import bus_reach_hint, card_rows
+
+    addr = "/ip4/10.0.0.9/tcp/31338"
+    hint = bus_reach_hint({"bus_reach": "0/3", "gossip_addr": addr})
+    assert addr in hint and "eventbus.port" in hint and "eventbus.announce_addrs" in hint
+    assert bus_reach_hint({"bus_reach": "2/3", "gossip_addr": addr}) == ""
+    assert bus_reach_hint({"bus_reach": "0/0"}) == ""          # nobody probed it yet
+    assert bus_reach_hint({}) == "" and bus_reach_hint({"bus_reach": "junk"}) == ""
+    card = SimpleNamespace(role="bootstrap", state="ready", version="x", grpc_addr="a", published_at=0.0,
+                           started_at=0.0, details={"bus_reach": "0/2", "gossip_addr": addr})
+    rows = card_rows([SimpleNamespace(peer_id="p", card=card)], now=1.0)
+    assert rows[0]["bus_reach"] == "0/2" and "UNREACHABLE" in rows[0]["bus_hint"]
+
 # ---- the sidecar's process hygiene ----
 
 def test_sidecar_module_never_imports_hivemind():
