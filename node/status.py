@@ -51,7 +51,22 @@ def card_rows(views: list, now: float | None = None) -> list[dict[str, Any]]:
         rows.append({"peer_id": v.peer_id, "role": c.role, "state": c.state, "version": c.version,
                      "address": c.grpc_addr, "age_s": round(max(0.0, now - c.published_at), 1),
                      "uptime_s": round(max(0.0, now - c.started_at), 1), **{k: v2 for k, v2 in c.details.items()}})
+        hint = bus_reach_hint(c.details)
+        if hint:
+            rows[-1]["bus_hint"] = hint
     return rows
+
+
+def bus_reach_hint(details: dict[str, Any]) -> str:
+    """What an event-bus node that no peer could dial should fix (from its card's ``bus_reach``,
+    "<peers that reached it>/<peers that probed it>", and ``gossip_addr``); "" when fine."""
+    reach = str(details.get("bus_reach") or "")
+    reached, _, reporters = reach.partition("/")
+    if not (reached.isdigit() and reporters.isdigit()) or int(reporters) == 0 or int(reached) > 0:
+        return ""
+    addr = details.get("gossip_addr") or "(none advertised)"
+    return (f"gossip UNREACHABLE: none of {reporters} peers could dial {addr}; open that TCP port "
+            "(eventbus.port) or set eventbus.announce_addrs to a public address")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

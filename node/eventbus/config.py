@@ -91,6 +91,11 @@ class EventBusConfig(BaseModel):
     """Messages buffered per local subscriber before the oldest are dropped (counted as
     ``slow_subscriber``)."""
 
+    outbound_queue: int = Field(1024, ge=32, le=65536)
+    """RPCs queued per neighbour before py-libp2p drops new ones (counted as ``queue_full``;
+    py-libp2p's own default of 32 lost a quarter of a 100-message burst). Raise it if
+    ``queue_full`` drops show up under rollout bursts; each slot may hold one topic-cap message."""
+
     socket_dir: str | None = None
     """Folder for the sidecar's unix socket (mode 0700). None: a fresh private temp folder.
     Keep the path short: unix socket paths are limited to 107 bytes."""

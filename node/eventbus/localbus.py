@@ -50,7 +50,18 @@ async def local_buses(n: int, workdir: str | Path, run_id: str = "local", **cfg:
         buses.append(EventBus(EventBusConfig(**settings), run_id=run_id, key_path=str(path), listen_host="127.0.0.1"))
     tasks: list[asyncio.Task] = []
     try:
-        await asyncio.gather(*(b.start() for b in buses))
+        # two at a time: eight interpreters importing py-libp2p at once on a small machine can
+        # outlast eventbus.start_timeout_s
+        gate = asyncio.Semaphore(2)
+
+        async def start(b: EventBus) -> None:
+            async with gate:
+                await b.start()
+
+        results = await asyncio.gather(*(start(b) for b in buses), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
         await wire_peers(buses)
         tasks = [asyncio.ensure_future(b.supervise()) for b in buses]
         yield buses

@@ -20,6 +20,7 @@ Threads: Trio runs libp2p on the main thread; the gRPC server's worker threads c
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -43,8 +44,10 @@ from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify.pb.identify_pb2 import Identify as IdentifyMsg
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.pubsub import pubsub as pubsub_module
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.score import ScoreParams, TopicScoreParams
 from libp2p.pubsub.validators import signature_validator
 from libp2p.tools.anyio_service import background_trio_service
@@ -98,6 +101,26 @@ class CheckedPubsub(Pubsub):
             self.bus.note_forwarder(msg, msg_forwarder)
         await super().push_msg(msg_forwarder, msg)
 
+    def notify_subscriptions(self, publish_message: Any) -> None:
+        # hand deliveries to the bus synchronously: py-libp2p's own subscription channel holds 32
+        # messages and silently drops the rest of a burst (a quarter of 100 back-to-back 1 KiB)
+        for tid in publish_message.topicIDs:
+            name = self.bus.names.get(tid)
+            if name is not None:
+                self.bus.deliver(name, publish_message)
+
+
+class CountingGossipSub(GossipSub):
+    """GossipSub that counts the messages its per-neighbour outbound queue had to drop."""
+
+    bus: "Bus"
+
+    def _handle_dropped_rpc(self, peer_id: ID, rpc: Any, reason: str) -> None:
+        for m in rpc.publish:
+            for tid in m.topicIDs:
+                self.bus.stats.drop(self.bus.names.get(tid, "unknown"), reason)
+        super()._handle_dropped_rpc(peer_id, rpc, reason)
+
 
 class Bus:
     """Everything the sidecar keeps; methods ending in ``_sync`` run on the Trio thread."""
@@ -125,6 +148,8 @@ class Bus:
         self.advertised: list[str] = []
         self.wake = trio.Event()
         self.token: Any = None
+        self.publish_lock = trio.Lock()
+        self.my_id_bytes = b""
 
     # ---- validation ----
     def reject(self, forwarder: ID, topic_ids: list[str], reason: str) -> None:
@@ -183,16 +208,14 @@ class Bus:
                 self.stats.drop(name, "slow_subscriber")
                 q.put_nowait(out)
 
-    async def pump(self, name: str, sub: Any) -> None:
-        me = self.host.get_id().to_bytes()
-        while True:
-            msg = await sub.get()
-            if bytes(msg.from_id) == me:
-                continue
-            self.stats.received[name] += 1
-            if name == "swarm":
-                self._on_swarm_notice(msg)
-            self.fan_out(name, msg)
+    def deliver(self, name: str, msg: Any) -> None:
+        """A validated message on one of our topics (called from ``CheckedPubsub``, Trio thread)."""
+        if bytes(msg.from_id) == self.my_id_bytes:
+            return
+        self.stats.received[name] += 1
+        if name == "swarm":
+            self._on_swarm_notice(msg)
+        self.fan_out(name, msg)
 
     def _on_swarm_notice(self, msg: Any) -> None:
         try:
@@ -215,8 +238,11 @@ class Bus:
     async def publish(self, name: str, data: bytes) -> tuple[bytes, int]:
         assert self.pubsub is not None and self.router is not None
         tid = self.topic_ids[name]
-        seqno = (self.pubsub.counter + 1).to_bytes(8, "big")  # what publish() is about to use
-        await self.pubsub.publish(tid, data)
+        # one publish at a time (gRPC worker threads enter Trio concurrently), so the seqno read
+        # here is the one publish() takes
+        async with self.publish_lock:
+            seqno = (self.pubsub.counter + 1).to_bytes(8, "big")  # what publish() is about to use
+            await self.pubsub.publish(tid, data)
         self.stats.published[name] += 1
         return seqno, len(self.router.mesh.get(tid, ()))
 
@@ -482,26 +508,30 @@ async def serve(spec: dict[str, Any]) -> None:
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(host.run(listen))
         await stack.enter_async_context(probe_host.run(probe_listen))
-        router = GossipSub([PROTOCOL_ID_V11], degree=cfg.degree, degree_low=cfg.degree_low,
-                           degree_high=cfg.degree_high, heartbeat_interval=cfg.heartbeat_s,  # type: ignore[arg-type]
-                           score_params=_score_params(cfg),
-                           max_messages_per_topic_per_second=cfg.max_messages_per_peer_per_s,
-                           eclipse_protection_enabled=False)  # colocated test swarms; P7 scores IP colocation
+        # py-libp2p makes each neighbour's outbound queue with RpcQueue() (32 RPCs, then drops)
+        pubsub_module.RpcQueue = functools.partial(RpcQueue, max_size=cfg.outbound_queue)
+        router = CountingGossipSub([PROTOCOL_ID_V11], degree=cfg.degree, degree_low=cfg.degree_low,
+                                   degree_high=cfg.degree_high,
+                                   heartbeat_interval=cfg.heartbeat_s,  # type: ignore[arg-type]
+                                   score_params=_score_params(cfg),
+                                   max_messages_per_topic_per_second=cfg.max_messages_per_peer_per_s,
+                                   eclipse_protection_enabled=False)  # colocated test swarms; P7 scores IP colocation
         pubsub = CheckedPubsub(host, router, strict_signing=True, cache_size=4096,
                                max_inbound_rpc_size=max(bus.caps.values()) * 4 + 64 * 1024)
-        pubsub.bus = bus
+        pubsub.bus = router.bus = bus
         # py-libp2p starts seqnos at int(time()): a sidecar restarted within seconds would reuse the
         # seqnos of its last life, and peers' seen-caches would drop its messages as duplicates
         pubsub.counter = time.time_ns()
         bus.host, bus.pubsub, bus.router = host, pubsub, router
         bus.peer_id = host.get_id().to_base58()
+        bus.my_id_bytes = host.get_id().to_bytes()
         await stack.enter_async_context(background_trio_service(pubsub))
         await stack.enter_async_context(background_trio_service(router))
         await pubsub.wait_until_ready()
         subs = {}
         for name, tid in bus.topic_ids.items():
             pubsub.set_topic_validator(tid, bus.validator(name), False)
-            subs[name] = await pubsub.subscribe(tid)
+            subs[name] = await pubsub.subscribe(tid)  # joins the mesh; deliveries: notify_subscriptions
         bus.listen_addrs = [str(a).split("/p2p/")[0] for a in host.get_addrs()]
         bus.advertised = list(spec.get("announce_addrs") or []) or [
             a.replace("/0.0.0.0/", f"/{spec.get('advertise_host') or '127.0.0.1'}/") for a in bus.listen_addrs]
@@ -523,8 +553,6 @@ async def serve(spec: dict[str, Any]) -> None:
                                          "hivemind_loaded": "hivemind" in sys.modules}), flush=True)
         try:
             async with trio.open_nursery() as nursery:
-                for name, sub in subs.items():
-                    nursery.start_soon(bus.pump, name, sub)
                 nursery.start_soon(bus.connect_loop)
                 nursery.start_soon(bus.probe_loop, probe_host)
                 if spec.get("watch_stdin", True):
