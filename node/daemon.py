@@ -261,6 +261,9 @@ def run_node(cfg: NodeConfig) -> int:
     """Start a node and block until it exits; returns the process exit code."""
     import uvloop
 
+    from protocol.grpc_options import tune_allocator
+
+    tune_allocator()  # keep freed 1-32 MiB tensor buffers mapped: streams run ~2x faster (see its doc)
     node = Node(cfg)
     node.prepare()
     try:
