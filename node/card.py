@@ -5,7 +5,8 @@ reading the run's live cards, and the queries every role asks of them:
 
     views = await read_cards(dht, run_id)
     peers(views, role="stage", cfg_hash=h, states=("ready",), exclude=my_peer_id) -> [CardView]
-    card_int(view, "round") -> int | None      # non-negative ints only; junk reads as None
+    card_int(view, "round") -> int | None      # ints in [0, 2**53]; junk reads as None
+    frontier_card_int(peers(...), "round", max_jump=16) -> int | None   # robust frontier
     card_str(view, "cfg_hash") -> str | None
     max_card_int(peers(...), "iteration") -> int | None   # e.g. the swarm's frontier round
 
@@ -141,11 +142,18 @@ async def read_cards(dht: Any, run_id: str, timeout: float = 10.0, max_cards: in
 
 # ---- swarm queries ----
 
+CARD_INT_MAX = 2 ** 53
+"""Largest card int a reader accepts: a value adopted from a peer (a round label) must still be
+publishable after ``+ 1`` by msgpack (uint64) and exact in JSON/float64 readers."""
+
+
 def card_int(view: CardView, key: str) -> int | None:
-    """Role detail ``key`` of a peer's card as a non-negative int; None when absent or anything
-    else (a bool, a negative number, a string, a float): a peer's junk never crashes a reader."""
+    """Role detail ``key`` of a peer's card as an int in [0, CARD_INT_MAX]; None when absent or
+    anything else (a bool, a negative or huge number, a string, a float): a peer's junk never
+    crashes a reader, nor poisons a value the reader republishes."""
     value = view.card.details.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= CARD_INT_MAX
+    return value if ok else None
 
 
 def card_str(view: CardView, key: str) -> str | None:
@@ -188,3 +196,19 @@ def max_card_int(views: Iterable[CardView], key: str) -> int | None:
     """The highest valid :func:`card_int` ``key`` among ``views``; None when no card has one.
     Filter first with :func:`peers` (e.g. the frontier round of the live peers of our config)."""
     return max((n for n in (card_int(v, key) for v in views) if n is not None), default=None)
+
+
+def frontier_card_int(views: Iterable[CardView], key: str, max_jump: int, own: int | None = None) -> int | None:
+    """The swarm's frontier of ``key`` (e.g. the round), robust to a few forged cards: the
+    highest :func:`card_int` among ``views`` within ``max_jump`` of the lower median (the anchor)
+    of their values and ``own`` (the caller's value, if it has one worth counting: a worker's
+    round, not a joiner's 0). A stranger claiming an absurd round is outside that window and
+    ignored; an honest frontier a few rounds ahead of the median is kept. None when no card has
+    an acceptable value. Residual risk: sybils holding a majority of the READY cards move the
+    median (admission is the defence there, security.md §3)."""
+    theirs = [n for n in (card_int(v, key) for v in views) if n is not None]
+    values = sorted(theirs + ([own] if own is not None else []))
+    if not theirs:
+        return None
+    anchor = values[(len(values) - 1) // 2]
+    return max((n for n in theirs if abs(n - anchor) <= max_jump), default=None)

@@ -36,6 +36,7 @@ from node.eventbus.config import EventBusConfig
 from node.logs import LogConfig
 from node.netem import NetemConfig
 from node.preemption import PreemptionConfig
+from security.config import LimitsConfig, SecurityConfig, is_loopback_host, is_loopback_maddr
 
 ENV_PREFIX = "SWARMNODE_"
 ROLE_GROUP = "swarmnode.roles"
@@ -181,8 +182,9 @@ class DaemonConfig(BaseSettings):
     """What this node does in the swarm: one of the installed roles (``swarmnode run --role``;
     ``bootstrap`` for a swarm's entry point). Required to start a node."""
 
-    host: str = "0.0.0.0"
-    """IP this node binds for DHT, gRPC and ops HTTP. 127.0.0.1 for a local swarm."""
+    host: str = "127.0.0.1"
+    """IP this node binds for DHT, gRPC and ops HTTP. The default keeps a node private to this
+    host; give ``--host 0.0.0.0`` (or the interface's IP) for a swarm across machines."""
 
     advertise_host: str | None = None
     """IP peers should use for this node's gRPC address (node card). Defaults to ``host``, or
@@ -207,6 +209,8 @@ class DaemonConfig(BaseSettings):
     log: LogConfig = Field(default_factory=LogConfig)
     eventbus: EventBusConfig = Field(default_factory=EventBusConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @field_validator("role")
     @classmethod
@@ -237,6 +241,12 @@ class DaemonConfig(BaseSettings):
         if self.preemption.provider == "gcp" and self.drain.budget_s > 25:
             raise ValueError(f"drain.budget_s={self.drain.budget_s} does not fit GCP's 30 s preemption window; "
                              "use 25 or less")
+        if self.security.peer_auth == "none":
+            public = [h for h in (self.host, self.advertise_host) if not is_loopback_host(h)]
+            public += [m for m in (*self.dht.initial_peers, *self.dht.announce_maddrs) if not is_loopback_maddr(m)]
+            if public:
+                raise ValueError(f"security.peer_auth = 'none' is allowed only when every listen and peer address is "
+                                 f"loopback; {public[0]!r} is not. Use peer_auth = 'signed' (the default)")
         return self
 
     @property

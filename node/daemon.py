@@ -22,7 +22,8 @@ from node import metrics
 from node.card import CARD_NAMESPACE, CardPublisher
 from node.config import NodeConfig, redacted
 from node.eventbus.service import NodeEventBus
-from node.grpc_server import GrpcHost, NodeServicer
+from node.card import read_cards
+from node.grpc_server import CallGuard, GrpcHost, KnownPeers, NodeServicer
 from node.identity import ensure_identity
 from node.lifecycle import Lifecycle, State
 from node.logs import set_context
@@ -34,9 +35,13 @@ from node.roles import NodeContext, load_role
 from node.supervisor import Supervisor
 from node.version import VERSION
 from protocol import node_pb2, node_pb2_grpc
+from security.admission import token_check
+from security.peer_auth import CallSigner, ClientAuth, PeerAuthenticator, set_client_auth
 from security.records import SignedRecordValidator
 
 log = logging.getLogger("swarmnode.daemon")
+
+STATE_FETCH_METHOD = "/swarmnode.WeightService/Fetch"  # node/state_sync.py (not imported: it needs torch)
 
 EXIT_OK, EXIT_ERROR, EXIT_BOOTSTRAP_GAVE_UP, EXIT_ABORT = 0, 1, 4, 130
 
@@ -67,7 +72,13 @@ class Node:
         log.info("effective config", extra={"event": "config_effective", "config": redacted(self.cfg),
                                             "version": VERSION})
         namespaces = [CARD_NAMESPACE, *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
-        validator = SignedRecordValidator(self.cfg.run_id, key, namespaces)
+        sec = self.cfg.security
+        self.key, self.admission_token = key, sec.token_bytes() if sec.admission == "token" else None
+        if sec.admission == "token" and self.admission_token is None and self.peer_id != sec.coordinator_peer_id:
+            log.warning("security.admission = 'token' but this node has no admission token: its card will be "
+                        "refused and its calls rejected; ask the coordinator (`swarmnode admit --peer-id %s`) and set "
+                        "security.admission_token_file", self.peer_id, extra={"event": "admission_token_missing"})
+        validator = SignedRecordValidator(self.cfg.run_id, key, namespaces, **self._admission_args())
         self.key_path = key_path
         self.membership = Membership(self.cfg, key_path, [validator])
         self.membership.start_dht()
@@ -75,6 +86,35 @@ class Node:
             raise RuntimeError(f"DHT peer ID {self.membership.peer_id} differs from the key's {self.peer_id}")
         metrics.set_identity(self.cfg.run_id, self.cfg.role, VERSION, self.peer_id)
         metrics.REGISTRY.register(metrics.DhtCollector(self.membership.probe))
+
+    def _admission_args(self) -> dict[str, Any]:
+        sec = self.cfg.security
+        if sec.admission != "token":
+            return {}
+        return {"coordinator_peer_id": sec.coordinator_peer_id, "admission_token": self.admission_token,
+                "require_admission": True}
+
+    def _call_guard(self) -> tuple[CallGuard, KnownPeers]:
+        """Authentication and limits for every gRPC service (node/grpc_server.py), and the signer
+        every outgoing channel of this process uses (protocol/streams.py, node/state_sync.py)."""
+        cfg, sec = self.cfg, self.cfg.security
+        known = KnownPeers(lambda: read_cards(self.membership.dht, cfg.run_id, timeout=5.0),
+                           sec.known_peers_refresh_s, own_peer_id=self.peer_id)
+        if sec.peer_auth == "none":
+            set_client_auth(None)
+            return CallGuard(cfg.limits), known
+        check = None
+        if sec.admission == "token":
+            check = token_check(coordinator_peer_id=sec.coordinator_peer_id, run_id=cfg.run_id)
+        auth = PeerAuthenticator(run_id=cfg.run_id, own_peer_id=self.peer_id, window_s=sec.clock_window_s,
+                                 is_known_peer=known.is_known, check_token=check, await_known=known.wait_known)
+        open_auth = PeerAuthenticator(run_id=cfg.run_id, own_peer_id=self.peer_id, window_s=sec.clock_window_s,
+                                      nonce_cache=auth.nonces) if sec.public_state else None
+        guard = CallGuard(cfg.limits, auth, open_auth=open_auth,
+                          public=[STATE_FETCH_METHOD] if sec.public_state else (),
+                          on_ban=lambda key, reason: self.card.update(banned=len(guard.banned())))
+        set_client_auth(ClientAuth(CallSigner(self.key, cfg.run_id, token=self.admission_token), known.resolve))
+        return guard, known
 
     # ---- helpers read by ops HTTP and gRPC ----
     def peerinfo(self) -> dict[str, Any]:
@@ -147,9 +187,12 @@ class Node:
         cfg = self.cfg
         self._stop = asyncio.Event()
         self.supervisor = Supervisor(on_fatal=lambda name, exc: self._fatal(name))
-        self.grpc = GrpcHost(cfg.host, cfg.grpc.port, cfg.grpc.max_message_bytes, cfg.grpc.max_concurrent_rpcs)
+        guard, self.known_peers = self._call_guard()
+        self.grpc = GrpcHost(cfg.host, cfg.grpc.port, cfg.grpc.max_message_bytes, cfg.grpc.max_concurrent_rpcs,
+                             guard=guard)
         port = self.grpc.bind()
         self.grpc_addr = f"{cfg.grpc_host}:{port}"
+        self.known_peers.add(self.peer_id, self.grpc_addr)
         self.card = CardPublisher(self.membership, cfg.card, cfg.run_id, self.peer_id, cfg.role, VERSION,
                                   self.grpc_addr, self.started_at)
         self.netem = LinkEmulator(cfg.netem, self_id=self.grpc_addr)
@@ -176,6 +219,7 @@ class Node:
                                           "ops_port": self.ops.port, "maddrs": self.membership.visible_maddrs()})
         self._install_signals()
         self.supervisor.spawn("card", self.card.run)
+        self.supervisor.spawn("known_peers", self.known_peers.run)
         self.supervisor.spawn("join", self._join_loop)
         watcher = PreemptionWatcher(cfg.preemption, on_notice=self._on_preemption,
                                     on_count=lambda src: metrics.PREEMPTION_NOTICES.labels(source=src).inc())

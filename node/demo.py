@@ -17,7 +17,10 @@ second). Its attributes:
 - ``DEFAULT_STEPS: int`` and ``DEFAULT_NODES: int``: used without ``--steps`` / ``--nodes``;
 - ``node_settings(steps) -> list[str]``: ``--set`` overrides for every node (the user's win);
 - ``FINISHED_EVENT: str``: the log event a worker writes once with its final figures;
-- ``FINISHED_FIELDS: dict[str, str]``: progress-row key -> field of that event.
+- ``FINISHED_FIELDS: dict[str, str]``: progress-row key -> field of that event;
+- optional ``worker_settings(i) -> list[str]``: extra ``--set`` for worker i (heterogeneous
+  peers), ``SUMMARY_KEYS``: row keys whose mean over workers the summary (``--json``) adds, and
+  ``DEMO_ORDER: int``: without ``--role`` the demo with the lowest order runs (default 100).
 
 The progress figures themselves come from the role-neutral metrics (``swarmnode_train_*``,
 ``swarmnode_eval_*``, ``swarmnode_outer_rounds_total``). Without any demo module installed (or
@@ -48,11 +51,14 @@ def demo_module(role: str) -> ModuleType | None:
 
 
 def _default_role() -> str:
-    """The first installed role (by name) that registers a demo module, else a membership-only
-    demo. Roles are looked up, not imported: the nodes are other processes."""
+    """The installed role whose demo module has the lowest ``DEMO_ORDER`` (100 when unset; ties
+    by name), else a membership-only demo. Demo modules are standard-library only, so loading
+    them keeps this process torch-free; the roles themselves run in other processes."""
     roles = {ep.name for ep in entry_points(group="swarmnode.roles")}
-    demos = sorted(ep.name for ep in entry_points(group=DEMO_GROUP) if ep.name in roles)
-    return demos[0] if demos else "bootstrap"
+    demos = [ep for ep in entry_points(group=DEMO_GROUP) if ep.name in roles]
+    if not demos:
+        return "bootstrap"
+    return min(demos, key=lambda ep: (getattr(ep.load(), "DEMO_ORDER", 100), ep.name)).name
 
 
 def _m(metrics: dict[str, float], name: str) -> float | None:
@@ -145,7 +151,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         swarm.wait_ready([boot], timeout=60)
         print(f"bootstrap ready: {swarm.bootstrap_maddr}  (ops http://127.0.0.1:{boot.ops_port}/metrics)",
               flush=True)
-        workers = [swarm.start(role, name=f"{role}-{i}") for i in range(n)]
+        per_node = getattr(demo, "worker_settings", None) if training else None  # optional: per-node --set
+        workers = [swarm.start(role, name=f"{role}-{i}", extra_set=per_node(i) if per_node else None)
+                   for i in range(n)]
         for w in workers:
             print(f"  {w.name}: peer {w.peer_id[:20]}… grpc 127.0.0.1:{w.grpc_port} "
                   f"ops http://127.0.0.1:{w.ops_port}/metrics  log {w.log_path}", flush=True)
@@ -162,6 +170,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         failed = [w for w in workers if not w.alive() and w.proc.returncode not in (0, None)]
         swarm.stop_all()
     summary = summarize(rows, n, time.monotonic() - t0)
+    for key in getattr(demo, "SUMMARY_KEYS", ()) if training else ():  # optional: role figures, mean over nodes
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        summary[key] = sum(vals) / len(vals) if vals else None
     if training:
         print(f"summary: {n} workers, {summary['steps']} steps, train loss {_fmt(summary['loss_start'])} -> "
               f"{_fmt(summary['loss_end'])}, eval loss {_fmt(summary['eval_loss_start'])} -> "

@@ -32,7 +32,9 @@ ALLOWED: dict[State, set[State]] = {
 }
 
 READINESS_REASONS = ("dht_starting", "dht_start_failed", "dht_bootstrap_failed", "dht_no_peers",
-                     "role_init", "state_sync", "awaiting_assignment", "ready", "draining", "offline")
+                     "role_init", "state_sync", "awaiting_assignment", "recovering", "ready", "draining", "offline")
+# "recovering": the role rolled back a bad update (non-finite or out-of-bound) and is not ready
+# until a good step or a fresh state download (optimizers/noloco_role.py).
 
 
 class LifecycleError(RuntimeError):

@@ -79,7 +79,12 @@ SWARM_NODES = Gauge("swarmnode_swarm_nodes", "Live node cards seen in the run (b
 
 class DhtCollector(Collector):
     """Asks the hivemind DHT process at scrape time: peer count and records rejected by our
-    validator. A slow or dead DHT process is skipped (1 s timeout) and counted, never blocks."""
+    validator. A slow or dead DHT process is skipped (1 s timeout) and counted, never blocks.
+
+    The validator runs in the forked DHT process, so its counts live there: ``probe`` runs
+    ``security.records.read_rejections`` inside that process (``dht.run_coroutine``) and returns
+    the running totals per reason, exported as ``swarmnode_dht_records_rejected_total{validator=
+    "signed_record", reason}`` (a counter: the totals only grow while the DHT process lives)."""
 
     def __init__(self, probe: Callable[[float], tuple[int, dict[str, int]] | None]):
         self._probe = probe
@@ -94,8 +99,9 @@ class DhtCollector(Collector):
         except Exception:  # noqa: BLE001 - a scrape must never fail because of the DHT
             result = None
         peers = GaugeMetricFamily("swarmnode_dht_peers", "Peers in this node's DHT routing table.")
-        rejected = CounterMetricFamily("swarmnode_dht_records_rejected", "DHT records rejected by validators.",
-                                       labels=["validator"])
+        rejected = CounterMetricFamily("swarmnode_dht_records_rejected",
+                                       "DHT records rejected by validators, by why (security.records.REASONS).",
+                                       labels=["validator", "reason"])
         timeouts = CounterMetricFamily("swarmnode_dht_scrape_timeouts", "Scrapes that could not ask the DHT process.")
         if result is None:
             self._timeouts += 1
@@ -103,7 +109,7 @@ class DhtCollector(Collector):
             n_peers, rejections = result
             peers.add_metric([], n_peers)
             for reason, count in sorted(rejections.items()):
-                rejected.add_metric([reason], count)
+                rejected.add_metric(["signed_record", reason], count)
             yield peers
             yield rejected
         timeouts.add_metric([], self._timeouts)
@@ -145,7 +151,7 @@ def record_train_step(loss: float, tokens: int, seconds: float) -> None:
     LAST_STEP.set(time.time())
 
 
-TENSOR_REASONS = frozenset({"nonfinite", "checksum", "shape", "dtype", "size", "truncated"})
+TENSOR_REASONS = frozenset({"nonfinite", "checksum", "shape", "dtype", "size", "truncated", "norm", "distance"})
 
 
 def count_rejection(reason: str) -> None:

@@ -26,10 +26,11 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 import grpc
 import torch
 
-from node.card import CardView, card_int, peers
+from node.card import CardView, card_int, frontier_card_int, peers
 from protocol import weights_pb2
 from protocol.codec import TensorAssembler, TensorRejected, aencode_tensors, check_finite, parse_frame, serialize_frame
 from protocol.grpc_options import channel_options
+from protocol.streams import signed_channel
 
 log = logging.getLogger("swarmnode.state_sync")
 
@@ -116,14 +117,17 @@ def meta_int(meta: Mapping[str, str], key: str, addr: str = "the peer") -> int:
 async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expected: Expected, *,
                       optimizer: Expected | None = None, round: int = 0, iteration: int = 0,
                       stage: int | None = None, timeout: float = 60.0, max_message_bytes: int = 8 << 20,
-                      offload: Callable[..., Awaitable[Any]] | None = None
+                      offload: Callable[..., Awaitable[Any]] | None = None, peer_id: str | None = None
                       ) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Download ``(metadata, {name: tensor})`` from the node at ``addr``; raises StateFetchError.
 
     ``expected`` maps weight names to (dtype, shape); ``optimizer`` does the same for optimizer
     tensors and asks for them too (they come back named ``OPTIMIZER_PREFIX + name``).
     ``offload(fn, *args)`` runs the finite checks (e.g. ``Compute.run``; default
-    ``asyncio.to_thread``), so whole-state passes stay off the event loop.
+    ``asyncio.to_thread``), so whole-state passes stay off the event loop. The call is signed
+    for ``peer_id`` (default: the peer whose node card names ``addr``) when the process has a
+    ``ClientAuth`` (``protocol.streams.signed_channel``); donors serve only members of the run,
+    or anyone with ``security.public_state``.
     """
     want = dict(expected)
     if optimizer is not None:
@@ -134,7 +138,7 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expect
                                    want_state=WANT_WEIGHTS_AND_OPTIMIZER if optimizer is not None else WANT_WEIGHTS)
     if stage is not None:
         req.stage = stage
-    async with grpc.aio.insecure_channel(addr, options=channel_options(max_message_bytes)) as channel:
+    async with signed_channel(addr, channel_options(max_message_bytes), peer_id=peer_id) as channel:
         method = channel.unary_stream(f"/{SERVICE}/Fetch",
                                       request_serializer=weights_pb2.FetchRequest.SerializeToString,
                                       response_deserializer=parse_frame)
@@ -163,6 +167,8 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expect
             raise StateFetchError(f"state from {addr} rejected ({exc.reason}): {exc}") from None
         except grpc.aio.AioRpcError as exc:
             raise StateFetchError(f"state download from {addr} failed: {exc.code().name}: {exc.details()}") from None
+        except ConnectionError as exc:  # security.peer_auth.UnresolvedTarget: no card names addr yet
+            raise StateFetchError(f"state download from {addr} not attempted: {exc}") from None
     missing = sorted(set(want) - set(out))
     if missing:
         raise StateFetchError(f"state from {addr} lacks {missing[:5]}")
@@ -183,10 +189,16 @@ def split_optimizer(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torc
 
 def order_donors(views: Iterable[CardView], *, role: str, cfg_hash: str, progress_key: str = "round",
                  exclude: str | None = None, min_progress: int | None = None,
-                 rng: random.Random | None = None) -> list[CardView]:
+                 rng: random.Random | None = None, max_jump: int | None = None) -> list[CardView]:
     """READY peers of ``role`` and ``cfg_hash`` to download state from: most advanced first by the
-    card detail ``progress_key``, random among ties; ``min_progress`` drops those behind it."""
+    card detail ``progress_key``, random among ties; ``min_progress`` drops those behind it;
+    ``max_jump`` drops those past the robust frontier (``node.card.frontier_card_int``), so a
+    forged card claiming an absurd progress is never the first donor asked."""
     donors = peers(views, role=role, cfg_hash=cfg_hash, exclude=exclude)
+    if max_jump is not None:
+        top = frontier_card_int(donors, progress_key, max_jump)
+        donors = [v for v in donors if card_int(v, progress_key) is not None and top is not None
+                  and card_int(v, progress_key) <= top]
     if min_progress is not None:
         donors = [v for v in donors if (card_int(v, progress_key) or 0) >= min_progress]
     (rng or random).shuffle(donors)

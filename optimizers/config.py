@@ -110,6 +110,42 @@ class NoLoCoConfig(BaseModel):
     max_solo_rounds: int = Field(3, ge=1)
     """After this many solo rounds in a row, re-draw the matchmaking bucket bits."""
 
+    # ---- checks on peers' input (security.md §7; local, not part of cfg_hash) ------------------
+    max_round_jump: int = Field(16, ge=1)
+    """Range check on the rounds peers claim in their node cards: a card whose round is more than
+    this many rounds away from the swarm's frontier anchor (the lower median of the other READY
+    workers' rounds) is ignored when this worker catches up its round label or picks a state
+    donor (``node.card.frontier_card_int``). Honest workers stay within a few rounds of each
+    other (``max_round_skew``); raise it only for swarms whose speeds differ so much that honest
+    workers lag the median by more than this many rounds."""
+
+    max_norm_ratio: float = Field(4.0, gt=1)
+    """Norm bound on a partner's tensors, per tensor: the larger RMS of (ours, theirs) may be at
+    most this times the smaller (floored at ``bound_floor_rms``). Symmetric, so both partners
+    reach the same verdict. Two honest replicas trained apart for 40 inner steps measured 1.5
+    (tiny test model, lr 3e-3); a violation makes the round solo and counts
+    ``swarmnode_tensors_rejected_total{reason="norm"}``. Raise it if that counter rises in a
+    swarm without attackers (e.g. very long ``inner_steps`` with a high LR)."""
+
+    max_distance_ratio: float = Field(1.0, gt=0)
+    """Distance bound on a partner's tensors, over the whole model: ``||theirs - ours|| <= k *
+    min(||ours||, ||theirs||)`` (symmetric). Catches a partner of plausible norm but the wrong
+    direction (negated or random weights: ratio 1.4-2); honest replicas never averaged for 40
+    inner steps measured 0.25. Violations count ``swarmnode_tensors_rejected_total{reason=
+    "distance"}``; raise it if that counter rises without an attacker, lower it (not below
+    about 0.5) to bound harder what one accepted partner can move our weights."""
+
+    bound_floor_rms: float = Field(1e-2, gt=0)
+    """RMS floor used by the norm and distance bounds, so that tensors that are (near) zero on
+    both sides (freshly initialised biases) never fail a ratio test. Raise it if norm
+    rejections name small bias tensors early in training."""
+
+    max_update_ratio: float = Field(1.0, gt=0)
+    """Rollback bound on our own outer step: if ``||phi_new - phi_old|| > k * ||phi_old||`` (or the
+    result is not finite) the step is undone (phi, momentum and weights back to the last good
+    state), the node reports not-ready ("recovering") and re-downloads state from a peer if the
+    next round fails again. An outer step normally moves phi by a few percent at most."""
+
     # ---- other ------------------------------------------------------------------------------
     seed: int = Field(0, ge=0)
     """Run seed: model init, data order and the seeded pairing permutation. Must match across

@@ -78,7 +78,7 @@ class OuterExchange:
                  specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], netem: LinkEmulator | None = None,
                  max_round_skew: int = 2, poll_interval_s: float = 0.25,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 on_reject: Callable[[str], None] | None = None):
+                 on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None):
         public_key_of(peer_id)  # raises for a non-Ed25519 peer ID
         if not specs:
             raise ValueError("OuterExchange needs at least one tensor spec")
@@ -93,7 +93,7 @@ class OuterExchange:
         self.link = ExchangeLink(run_id=run_id, peer_id=peer_id, cfg_hash=cfg_hash, grpc_addr=grpc_addr,
                                  specs=checked, netem=netem, max_round_skew=max_round_skew,
                                  poll_interval_s=poll_interval_s, max_message_bytes=max_message_bytes,
-                                 on_reject=on_reject)
+                                 on_reject=on_reject, bounds=bounds)
         self._pair = PairExchange(self.link, self._roster)
         self._group = GroupExchange(self.link, self._roster)
         self._bg: set[asyncio.Task] = set()  # roster publishes finishing in the background

@@ -11,12 +11,20 @@ peer errors are ``protocol/streams.py``'s. No grpc server or DHT code.
     spec_hash(specs) -> str;  header_frame(wire, **fields);  encode_tensors(...) -> (frame, bytes)
     serialize(frame) / parse_wire(data) / split(item)      # gRPC (de)serializers
     ExchangeResult, Round (per-call state); constants (timeouts, refusal classes, outcomes)
+    TensorBounds, bound_violation(ours, theirs, bounds) -> (reason, detail) | None   # security.md §7
+
+Tensor bounds (``bound_violation``) are symmetric in (ours, theirs): the two partners of a pair
+run the same test on the same two tensor lists and reach the same verdict, so a pair never
+splits into one side applying the mean and the other not. (Should they still disagree, e.g.
+different configured bounds, the "done" handshake makes both sides solo: each returns ok only
+after the partner's "done"(accepted), and a side that rejects never sends one.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +34,7 @@ from protocol import noloco_pb2
 from protocol.codec import DEFAULT_CHUNK_BYTES, ChunkView, aencode_frames, dtype_name, parse_chunk, serialize_frame
 
 __all__ = ["Spec", "spec_hash", "header_frame", "encode_tensors", "serialize", "parse_wire", "split",
-           "spec_bytes", "ExchangeResult", "Round"]
+           "spec_bytes", "ExchangeResult", "Round", "TensorBounds", "bound_violation"]
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -130,3 +138,74 @@ class Round:
     members: list[str] = field(default_factory=list)
     sends: dict[str, asyncio.Future] = field(default_factory=dict)
     received: int = 0
+
+
+# ----------------------------------------------------------------------------- tensor bounds
+
+@dataclass(frozen=True)
+class TensorBounds:
+    """Norm and distance bounds on a partner's tensors relative to ours (``[noloco]``
+    ``max_norm_ratio``, ``max_distance_ratio``, ``bound_floor_rms``; see optimizers/config.py)."""
+
+    max_norm_ratio: float = 4.0
+    max_distance_ratio: float = 1.0
+    floor_rms: float = 1e-2
+
+    def __post_init__(self):
+        if not self.max_norm_ratio > 1 or not self.max_distance_ratio > 0 or not self.floor_rms > 0:
+            raise ValueError(f"bad tensor bounds {self}: need max_norm_ratio > 1, max_distance_ratio > 0, "
+                             "floor_rms > 0")
+
+
+_BOUND_BLOCK = 1 << 20  # elements per pass: float64 temporaries stay at 8 MiB
+
+
+def _sums(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    """(sum a^2, sum b^2, sum (a-b)^2) accumulated in float64 (finite fp32 values up to 3.4e38
+    do not overflow), blockwise. Identical under swapping a and b (a-b == -(b-a) exactly)."""
+    fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
+    sa = sb = sd = 0.0
+    for s in range(0, fa.numel(), _BOUND_BLOCK):
+        x, y = fa[s:s + _BOUND_BLOCK].to(torch.float64), fb[s:s + _BOUND_BLOCK].to(torch.float64)
+        sa += float(torch.dot(x, x))
+        sb += float(torch.dot(y, y))
+        d = x - y
+        sd += float(torch.dot(d, d))
+    return sa, sb, sd
+
+
+def bound_violation(ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor], bounds: TensorBounds,
+                    names: Sequence[str] | None = None) -> tuple[str, str] | None:
+    """None if ``theirs`` is within ``bounds`` of ``ours``, else ``(reason, detail)``:
+
+    * ``"local_nonfinite"``: our own tensors hold NaN/inf (the partner is not blamed);
+    * ``"nonfinite"``: theirs do;
+    * ``"norm"``: for some tensor, max(rms_ours, rms_theirs) > max_norm_ratio * max(min(...), floor_rms);
+    * ``"distance"``: over the whole list, ||theirs - ours|| > max_distance_ratio *
+      max(min(||ours||, ||theirs||), floor_rms * sqrt(numel)).
+
+    Symmetric: swapping ours and theirs gives the same verdict (with the two nonfinite labels
+    swapped), which keeps both partners of a pair consistent (module docstring)."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} tensors of ours vs {len(theirs)} of theirs")
+    tot_a = tot_b = tot_d = 0.0
+    numel = 0
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        name = names[i] if names is not None else f"#{i}"
+        n = max(1, a.numel())
+        sa, sb, sd = _sums(a, b)
+        if not math.isfinite(sa):
+            return "local_nonfinite", f"our tensor {name!r} is not finite"
+        if not math.isfinite(sb):
+            return "nonfinite", f"the partner's tensor {name!r} holds NaN or inf"
+        ra, rb = math.sqrt(sa / n), math.sqrt(sb / n)
+        hi, lo = max(ra, rb), min(ra, rb)
+        if hi > bounds.max_norm_ratio * max(lo, bounds.floor_rms):
+            return "norm", (f"tensor {name!r}: RMS {rb:.3g} (partner) vs {ra:.3g} (ours) exceeds the ratio bound "
+                            f"{bounds.max_norm_ratio:g} (noloco.max_norm_ratio)")
+        tot_a, tot_b, tot_d, numel = tot_a + sa, tot_b + sb, tot_d + sd, numel + n
+    dist, ref = math.sqrt(tot_d), max(math.sqrt(min(tot_a, tot_b)), bounds.floor_rms * math.sqrt(numel))
+    if not dist <= bounds.max_distance_ratio * ref:
+        return "distance", (f"||theirs - ours|| = {dist:.4g} exceeds {bounds.max_distance_ratio:g} x {ref:.4g} "
+                            "(noloco.max_distance_ratio)")
+    return None

@@ -8,7 +8,11 @@ own view answers "not_root:<root>" and the member follows that once per try (3 t
 collects until it has expected-1 contributions, or every roster member it has seen (re-read
 while waiting), or 0.75*timeout; late contributions are refused ("late"). The mean is computed
 once (ascending peer ID) and sent bitwise to every member; a member whose gather failed gets
-outcome "failed" and must re-fetch phi (DiLoCo assumes identical phi).
+outcome "failed" and must re-fetch phi (DiLoCo assumes identical phi). Bounds: the root
+checks each contribution against its own tensors (``exchange_server``), a member checks the
+mean it reads back against its own; a member that rejects the mean fails the round (solo,
+then re-fetch phi) while the root and the others apply it: DiLoCo resolves any such split by
+the re-fetch, not by agreement.
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class GroupExchange:
                     sent += n
                 await call.done_writing()
                 mean, recv = await link.read_tensors(call.read, st.deadline)
+                await link.check_bounds(st.tensors, mean)  # the root's mean vs our own tensors
                 kind, hdr = C.split(await link.next(call.read, st.deadline))
             if kind != "header" or not hdr.accepted or hdr.group_size < 2 or link.peer_id not in hdr.members:
                 raise PeerError("partner_error", "bad gather done frame")
@@ -119,6 +124,7 @@ class GroupExchange:
             return C.ExchangeResult(mean, int(hdr.group_size), partners, C.OK, "", sent, recv), None
         except TensorRejected as exc:
             link.count(exc.reason)
+            link.charge(root, exc.reason)
             return C.ExchangeResult(None, 1, [root], C.FAILED, exc.reason, sent, recv), None
         except PeerError as exc:
             redirect = None

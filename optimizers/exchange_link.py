@@ -3,8 +3,10 @@
 ``ExchangeLink`` holds who we are (run, peer ID, config hash, tensor specs), the current
 round's state, the match lock and the channel pool, and offers the operations every part of
 the exchange needs: build a header, open a call, read the next frame within the deadline,
-read and check a peer's tensors, stream ours (paced by netem), take the ordered mean, count
-a rejection. The pair client (``exchange_pair.py``), the group client (``exchange_group.py``)
+read and check a peer's tensors (codec checks, then the norm/distance bounds of
+``exchange_common.bound_violation``), stream ours (paced by netem), take the ordered mean,
+count a rejection and charge the peer that sent it (a charged peer is neither proposed to nor
+accepted for ``distrust_rounds`` rounds). The pair client (``exchange_pair.py``), the group client (``exchange_group.py``)
 and the servicer (``exchange_server.py``) each hold a link; none of them reaches into another.
 Roster publishing and reading stay in ``exchange.py``.
 """
@@ -23,7 +25,7 @@ from node.netem import LinkEmulator
 from optimizers import exchange_common as C
 from protocol.codec import DEFAULT_CHUNK_BYTES, THREAD_BYTES, ChunkView, TensorAssembler, TensorRejected, all_finite
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
-from protocol.streams import IDLE_S, ChannelPool, PeerError, next_frame, remaining
+from protocol.streams import IDLE_S, ChannelPool, PeerError, StreamCall, next_frame, remaining
 
 log = logging.getLogger("swarmnode.noloco.exchange")
 
@@ -34,7 +36,8 @@ class ExchangeLink:
     def __init__(self, *, run_id: str, peer_id: str, cfg_hash: str, grpc_addr: str,
                  specs: Sequence[C.Spec], netem: LinkEmulator | None, max_round_skew: int,
                  poll_interval_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 on_reject: Callable[[str], None] | None = None):
+                 on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
+                 distrust_rounds: int = 10):
         self.specs = list(specs)
         self.names = [s[0] for s in self.specs]
         self.run_id, self.peer_id, self.cfg_hash, self.grpc_addr = run_id, peer_id, cfg_hash, grpc_addr
@@ -50,6 +53,9 @@ class ExchangeLink:
         self.state: C.Round | None = None      # the round in progress
         self.last_round: int | None = None
         self.closed = False
+        self.bounds = bounds                   # None: codec checks only (no norm/distance bounds)
+        self.distrust_rounds = int(distrust_rounds)
+        self.distrusted: dict[str, int] = {}   # peer ID -> last round it is refused/skipped
 
     # ------------------------------------------------------------------ frames and calls
     def hdr(self, wire: bool, st: C.Round | None, stage: str, accepted: bool = True, reason: str = "",
@@ -60,9 +66,10 @@ class ExchangeLink:
                               stage=stage, **extra)
 
     def open_call(self, addr: str, st: C.Round):
-        method = self.pool.get(addr).stream_stream(C.METHOD, request_serializer=C.serialize,
+        pid = next((p for p, a in self.addrs.items() if a == addr), None)  # the roster says whose it is
+        method = self.pool.get(addr, pid).stream_stream(C.METHOD, request_serializer=C.serialize,
                                                    response_deserializer=C.parse_wire)
-        return method(timeout=max(0.05, remaining(st.deadline)))
+        return StreamCall(method, timeout=max(0.05, remaining(st.deadline)))  # signable first frame
 
     async def next(self, read, deadline: float):
         """Next frame from ``read()`` within the idle/deadline bound; raises PeerError at EOF."""
@@ -109,6 +116,38 @@ class ExchangeLink:
         ok = await asyncio.to_thread(lambda: all(map(all_finite, tensors))) if big else all(map(all_finite, tensors))
         if not ok:
             raise TensorRejected("nonfinite", f"{whose} tensors contain NaN or inf; dropped (security.md §7)")
+
+    async def check_bounds(self, ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+        """Raise TensorRejected("norm" | "distance" | "nonfinite") when ``theirs`` is outside the
+        bounds relative to ``ours`` (no-op without bounds); PeerError("local_nonfinite") for our own."""
+        if self.bounds is None:
+            return
+        big = sum(t.numel() * t.element_size() for t in ours) >= THREAD_BYTES
+        check = lambda: C.bound_violation(ours, theirs, self.bounds, self.names)  # noqa: E731
+        bad = await asyncio.to_thread(check) if big else check()
+        if bad is None:
+            return
+        reason, detail = bad
+        if reason == "local_nonfinite":
+            raise PeerError("local_nonfinite", detail)
+        raise TensorRejected(reason, f"{detail}; dropped, this round is solo (security.md §7)")
+
+    def charge(self, peer: str | None, reason: str) -> None:
+        """``peer`` sent input we rejected: skip it as a partner for ``distrust_rounds`` rounds.
+        Pass only a peer we know sent it (the one we called, or the caller's verified ID)."""
+        if not peer or self.distrust_rounds <= 0:
+            return
+        until = (self.last_round or 0) + self.distrust_rounds
+        self.distrusted[peer] = max(until, self.distrusted.get(peer, 0))
+        log.warning("partner %s charged (%s): not paired with until round %d", peer[:16], reason, until,
+                    extra={"event": "partner_charged", "peer": peer, "reason": reason, "until_round": until})
+        if len(self.distrusted) > 4096:  # bounded: forget the oldest charges
+            for p, _ in sorted(self.distrusted.items(), key=lambda kv: kv[1])[:1024]:
+                del self.distrusted[p]
+
+    def is_distrusted(self, peer: str, round: int) -> bool:  # noqa: A002 - the protocol's word
+        until = self.distrusted.get(peer)
+        return until is not None and round <= until
 
     async def mean(self, parts: list[tuple[str, list[torch.Tensor]]]) -> list[torch.Tensor]:
         """``node.averaging.ordered_mean`` (ascending peer ID, over a received buffer); our own

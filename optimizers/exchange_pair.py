@@ -1,7 +1,9 @@
 """NoLoCo pair averaging, the caller's side (``OuterExchange.pair_average``; protocol in
 ``optimizers/exchange.py``): read the roster, propose to a random higher peer ID under our
 match lock, stream both ways once accepted, take the ordered mean, confirm with "done".
-The callee's side is ``exchange_server.py``; both share one ``ExchangeLink``.
+The callee's side is ``exchange_server.py``; both share one ``ExchangeLink``. The partner's
+tensors pass the link's bounds (``ExchangeLink.check_bounds``) before the mean; a rejection
+charges the partner (skipped as a candidate for ``distrust_rounds`` rounds).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class PairExchange:
             while res is None and st.matched is None and not st.closed and remaining(st.deadline) > 0:
                 roster = await self.roster(st)
                 seen = seen or bool(roster)
-                cands = sorted(p for p in roster if p > link.peer_id and p not in tried)
+                cands = sorted(p for p in roster if p > link.peer_id and p not in tried
+                               and not link.is_distrusted(p, st.round))
                 while cands and res is None and remaining(st.deadline) > 0:
                     pid = rng.choice(cands)
                     cands.remove(pid)
@@ -111,6 +114,7 @@ class PairExchange:
         try:
             async with asyncio.timeout(max(0.0, remaining(st.deadline))):
                 theirs, recv = await link.read_tensors(call.read, st.deadline, check=False)
+                await link.check_bounds(st.tensors, theirs)  # symmetric: the partner's verdict is the same
                 mean = await link.mean([(link.peer_id, st.tensors), (pid, theirs)])
                 ok_to_ack.set_result(True)
                 kind, hdr = C.split(await link.next(call.read, st.deadline))
@@ -121,6 +125,7 @@ class PairExchange:
             return ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
         except TensorRejected as exc:
             link.count(exc.reason)
+            link.charge(pid, exc.reason)
             log.warning("tensors from %s rejected: %s; this round is solo", pid[:16], exc)
             return ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv)
         except (PeerError, grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:

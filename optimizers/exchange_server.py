@@ -23,6 +23,8 @@ from protocol import noloco_pb2_grpc
 from protocol.codec import TensorRejected
 from protocol.streams import OPEN_WAIT_S, PeerError, Refused, remaining, task
 from security.keys import public_key_of
+from security.peer_auth import current_peer
+from security.peer_auth import current_peer
 
 __all__ = ["NoLoCoServicer", "add_exchange_to_server"]
 
@@ -70,6 +72,9 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
             raise Refused(pre, "other_round", f"not waiting for round {h.round}; current round {mine}")
         if (h.mode == "pair") != (st.mode == "pair"):
             raise Refused(pre, "mode_mismatch", f"this worker is in {st.mode} mode for round {mine}")
+        who = current_peer() or h.sender
+        if L.is_distrusted(who, h.round):
+            raise Refused(pre, "distrusted", f"{who[:16]}... sent rejected tensors recently; not pairing with it")
         if h.mode == "pair" and not h.sender < L.peer_id:
             raise Refused(bad, "order", "pair proposals go from the lower to the higher peer ID")
         if h.mode == "gather":
@@ -89,6 +94,10 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
             if kind != "header" or h.stage != "open":
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "first frame must be an 'open' header")
             self.check_open(h, st)
+            verified = current_peer()  # security.md §5: the signed caller, not the header, says who it is
+            if verified is not None and verified != h.sender:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "sender", f"header names ...{h.sender[-8:]} but "
+                              f"the call is signed by ...{verified[-8:]}")
             if h.mode == "pair":
                 await self._claim(st, h.sender)
         except PeerError:
@@ -134,6 +143,7 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
                 sent += n
             async with asyncio.timeout(max(0.0, remaining(st.deadline))):
                 theirs, recv = await reader
+                await L.check_bounds(st.tensors, theirs)  # same verdict as the caller's (symmetric)
                 mean = await L.mean([(L.peer_id, st.tensors), (pid, theirs)])
             yield L.hdr(wire, st, "done")
             kind, hdr = C.split(await L.next(it.__anext__, st.deadline))
@@ -142,6 +152,7 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
             res = C.ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
         except TensorRejected as exc:
             L.count(exc.reason)
+            L.charge(current_peer(), exc.reason)  # only a verified caller is charged, never a claim
             log.warning("tensors from %s rejected: %s; this round is solo", pid[:16], exc)
             res = C.ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv)
             abort = (grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc.message}")
@@ -168,6 +179,7 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
             yield L.hdr(wire, st, "reply", True, mode="gather")
             try:
                 theirs, recv = await L.read_tensors(it.__anext__, st.deadline)
+                await L.check_bounds(st.tensors, theirs)
             finally:
                 st.arriving.discard(pid)  # in transit no more: the root need not wait for it
             if st.root in (None, me) and st.mean is None and not st.closed:
@@ -189,6 +201,7 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
                 fut.set_result(sent)
         except TensorRejected as exc:
             L.count(exc.reason)
+            L.charge(current_peer(), exc.reason)
             log.warning("gather contribution from %s rejected: %s", pid[:16], exc)
             abort = (grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc.message}")
         except (PeerError, asyncio.TimeoutError) as exc:

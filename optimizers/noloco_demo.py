@@ -8,6 +8,10 @@ contract every demo module follows is in ``node/demo.py``.
 
 from __future__ import annotations
 
+DEMO_ORDER = 0
+"""``swarmnode demo`` without ``--role`` runs the installed demo with the lowest order: NoLoCo
+is the README's main job."""
+
 DEFAULT_STEPS = 200
 """Inner steps per worker when ``swarmnode demo`` gets no ``--steps``."""
 

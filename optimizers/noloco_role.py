@@ -13,6 +13,16 @@ peers; every whole-model pass runs there) -> exchange theta with a random live p
 or everyone (DiLoCo) within ``round_timeout`` -> outer step (solo when no valid partner: never a hang) -> theta <- phi ->
 card/metrics -> evaluation and an atomic checkpoint when due. A joiner downloads phi and the
 round from a random READY peer and starts at that round with fresh Adam state and m = 0.
+
+Devices (``node/device.py``, the ``[device]`` section): ``start()`` resolves the device on the
+compute thread (the DHT is already up, so hivemind forked before any CUDA call), then moves the
+model and inner optimizer there; the forward pass runs under the configured precision (autocast,
+GradScaler for fp16). The outer state (phi, m) is fp32 on the device, or on the host with
+``noloco.outer_state_device = "host"``. On a GPU the tensors to send are copied device->host into
+reusable pinned buffers (two sets, by round parity, so a late send of round r never sees round
+r+1's bytes); received means go host->device once. Snapshots served to joiners are host copies;
+checkpoints and downloaded state are host tensors placed on the device by ``load_state_dict`` /
+``copy_``. On the CPU every one of these is a no-op: the same tensors, the same copies as before.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections import deque
 
@@ -31,9 +42,11 @@ from models.corpus import batches, eval_batches, evaluate, load_corpus
 from models.hf_adapter import build_from_config
 from models.optim import build_optimizer, inner_lr_scheduler, inner_step
 from node import metrics as NM
-from node.card import max_card_int, peers, read_cards
+from node.card import card_int, frontier_card_int, peers, read_cards
 from node.checkpoint import CheckpointError, Checkpointer
 from node.compute import Compute
+from node.device import PinnedPool, autocast, device_details, grad_scaler, outer_state_device, record_memory, \
+    resolve_device, to_device
 from node.logs import set_context
 from node.metrics import TRANSFER_BYTES, count_rejection
 from node.roles import NodeContext, RoleBase, register
@@ -42,6 +55,7 @@ from node.state_sync import StateFetchError, StateServicer, StateSnapshot, add_s
 from optimizers import noloco_metrics as M
 from optimizers.config import NoLoCoConfig
 from optimizers.exchange import OuterExchange, add_exchange_to_server
+from optimizers.exchange_common import TensorBounds
 from optimizers.noloco import copy_into, make_outer
 from optimizers.roster import ROSTER
 
@@ -121,7 +135,11 @@ class NoLoCoRole(RoleBase):
         self.model = build_from_config(settings.model, seed=self.cfg.seed)
         self.names = _param_names(self.model)
         self.params = [p for _, p in self.model.named_parameters()]
-        self.outer = make_outer([p.detach() for p in self.params], self.cfg)
+        # placement happens in start() (_place): until then everything is on the CPU, and no CUDA call
+        self.device = self.outer_device = torch.device("cpu")
+        self.precision, self.scaler, self.pool = "fp32", None, PinnedPool(pin=False)
+        self._sends = 0  # rounds staged for sending: picks the pinned buffer set (GPU)
+        self.outer = self._make_outer()
         log.info("outer %s: %s", self.cfg.outer, self.cfg.outer_momentum_note,
                  extra={"event": "outer_config", "outer_momentum": self.cfg.outer_momentum})
         ex_names = list(self.names) + ([f"phi.{n}" for n in self.names] if self.cfg.exchanges_phi else [])
@@ -131,7 +149,8 @@ class NoLoCoRole(RoleBase):
             run_id=ctx.config.run_id, peer_id=ctx.peer_id, cfg_hash=self.cfg_hash, grpc_addr=ctx.grpc_addr,
             dht=ctx.membership.dht, specs=ex_specs, netem=ctx.netem, max_round_skew=self.cfg.max_round_skew,
             max_message_bytes=ctx.config.grpc.max_message_bytes,
-            on_reject=count_rejection)
+            on_reject=count_rejection,
+            bounds=TensorBounds(self.cfg.max_norm_ratio, self.cfg.max_distance_ratio, self.cfg.bound_floor_rms))
         self.round = 0
         self.step = 0
         self._snapshot: StateSnapshot | None = None
@@ -147,6 +166,9 @@ class NoLoCoRole(RoleBase):
         self._last_loss: float | None = None
         self._rounds_ok = 0
         self._outer_steps = 0  # outer steps taken here (the round label can jump: catch_up)
+        self._bad_rounds = 0  # outer steps rolled back in a row (checks/rollback region)
+        self._good_m: list[torch.Tensor] | None = None  # host copy of m after the last good outer step
+        self._good_norm: tuple[int, float] | None = None  # (id of the snapshot, ||phi|| in it)
         self._catch_up = self.cfg.catch_up and self.cfg.outer == "noloco"  # DiLoCo resyncs phi instead
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
@@ -160,7 +182,36 @@ class NoLoCoRole(RoleBase):
     # ---------------- start-up ----------------
     async def start(self) -> None:
         await self.ctx.set_role_ready(False, "role_init", "loading data and building the model")
+        # The DHT is up (Node.prepare forked hivemind): only now may CUDA be touched. Resolved on
+        # the compute thread, which runs every CUDA call after it; a missing GPU raises ConfigError
+        # here, so the node stops at start with the message (exit 2), never mid-training.
+        self.ctx.card.update(**await self.compute.run(self._place))
         self.ctx.supervisor.spawn("noloco_train", self._main, restart=False)
+
+    def _place(self) -> dict:
+        """Resolve ``[device]`` and put the model, inner optimizer and outer state there (compute
+        thread, before any training); returns the card details. On the CPU nothing moves."""
+        dc = self.ctx.config.device
+        self.device = resolve_device(dc)
+        self.precision = dc.precision
+        self.scaler = grad_scaler(self.device, self.precision)
+        self.outer_device = outer_state_device(self.cfg.outer_state_device, self.device)
+        self.pool = PinnedPool(pin=self.device.type == "cuda")
+        if self.device.type != "cpu":
+            self.model.to(self.device)  # the Parameter objects stay the same: self.params is still valid
+            self.opt, self.sched = self._new_inner(self.step)
+            self.outer = self._make_outer()
+        details = device_details(self.device)
+        record_memory(self.device)
+        log.info("training on %s (%s, %s), outer state on %s", self.device, details["device_name"], self.precision,
+                 self.outer_device, extra={"event": "device_ready", "device": str(self.device),
+                                           "precision": self.precision, "outer_state_device": str(self.outer_device),
+                                           **details})
+        return details
+
+    def _make_outer(self):
+        """The outer optimizer (phi, m: fp32) from the current parameters, on ``outer_device``."""
+        return make_outer([p.detach().to(self.outer_device) for p in self.params], self.cfg)
 
     def _setup_data(self) -> None:
         data = self.s.data
@@ -228,7 +279,8 @@ class NoLoCoRole(RoleBase):
             log.warning("could not read node cards to find a state donor: %r", exc)
             return None
         donors = order_donors(views, role=self.name, cfg_hash=self.cfg_hash, exclude=self.ctx.peer_id,
-                              min_progress=min_round)  # most advanced first, random among ties
+                              min_progress=min_round,  # most advanced first, random among ties,
+                              max_jump=self.cfg.max_round_jump)  # none past the robust frontier
         expected = {n: (torch.float32, tuple(p.shape)) for n, p in zip(self.names, self.params)}
         for donor in donors[:3]:
             addr = donor.card.grpc_addr
@@ -236,8 +288,12 @@ class NoLoCoRole(RoleBase):
                 meta, tensors = await fetch_state(addr, self.ctx.config.run_id, self.ctx.peer_id,
                                                   self.cfg_hash, expected, round=self.round,
                                                   max_message_bytes=self.ctx.config.grpc.max_message_bytes,
-                                                  offload=self.compute.run)
+                                                  offload=self.compute.run, peer_id=donor.peer_id)
                 rnd = meta_int(meta, "round", addr)
+                claimed = card_int(donor, "round") or 0
+                if not min_round <= rnd <= claimed + self.cfg.max_round_skew:
+                    raise StateFetchError(f"{addr} served round {rnd}, but its card says {claimed} "
+                                          f"(and we need >= {min_round}); not adopting it")
             except StateFetchError as exc:
                 NM.STATE_DOWNLOADS.labels(outcome="failed").inc()
                 log.warning("state download failed: %s", exc, extra={"event": "state_download_failed"})
@@ -258,8 +314,8 @@ class NoLoCoRole(RoleBase):
     def _adopt_joined(self, rnd: int, phi: list[torch.Tensor]) -> None:
         """A joiner takes a donor's phi and round, with fresh Adam state and m = 0 (compute thread)."""
         with torch.no_grad():
-            copy_into(self.params, phi)
-        self.outer = make_outer([p.detach() for p in self.params], self.cfg)
+            copy_into(self.params, phi)  # host tensors -> the device, one copy each
+        self.outer = self._make_outer()
         self.round = rnd
         self.step = rnd * self.cfg.inner_steps
         self.opt, self.sched = self._new_inner(self.step)
@@ -309,7 +365,8 @@ class NoLoCoRole(RoleBase):
         self.checkpointer.save(self._parts(), {"round": self.round, "step": self.step})
 
     def _snapshot_now(self) -> StateSnapshot:
-        return StateSnapshot({"round": self.round}, {n: t.detach().to(torch.float32).clone()
+        # host copies (one device->host copy on a GPU, one clone on the CPU): the servicer encodes them
+        return StateSnapshot({"round": self.round}, {n: t.detach().to(device="cpu", dtype=torch.float32, copy=True)
                                                      for n, t in zip(self.names, self.outer.phi)})
 
     async def _take_snapshot(self) -> None:
@@ -326,7 +383,10 @@ class NoLoCoRole(RoleBase):
                 break
             t0 = time.perf_counter()
             batch = next(self.train_iter)
-            loss_val = inner_step(self.model, batch, self.opt, self.sched, self.params, self.cfg.inner.clip_norm)
+            if self.device.type != "cpu":
+                batch = (to_device(batch[0], self.device), to_device(batch[1], self.device))
+            loss_val = inner_step(self.model, batch, self.opt, self.sched, self.params, self.cfg.inner.clip_norm,
+                                  autocast=autocast(self.device, self.precision), scaler=self.scaler)
             if self.cfg.compute_delay_s:
                 time.sleep(self.cfg.compute_delay_s)
             if self._first_loss is None:
@@ -336,20 +396,36 @@ class NoLoCoRole(RoleBase):
             NM.record_train_step(loss_val, batch[0].numel(), time.perf_counter() - t0)
         return loss_val
 
-    def _outer_step(self, mean, n: int) -> tuple[float, float | None]:
-        """Outer step on the compute thread: (update norm, replica spread or None when solo)."""
+    def _outgoing(self) -> list[torch.Tensor]:
+        """The fp32 tensors to send this round (compute thread). CPU: the outer optimizer's fresh
+        copies, as always. GPU: one device->host copy per tensor into this round parity's pinned
+        buffers, which are also the host theta a host-side outer state steps with."""
+        theta = [p.detach() for p in self.params]
+        if self.device.type == "cpu":
+            return self.outer.exchange_tensors(theta)
+        slot = self._sends % 2  # alternates every round, whatever the round label or a rollback does
+        self._sends += 1
+        named = {f"{slot}.theta.{n}": t for n, t in zip(self.names, theta)}
+        if self.cfg.exchanges_phi:
+            named.update({f"{slot}.phi.{n}": t for n, t in zip(self.names, self.outer.phi)})
+        return list(self.pool.to_host_all({k: v.to(torch.float32) for k, v in named.items()}, copy=True).values())
+
+    def _outer_step(self, mean, n: int, sent: list[torch.Tensor]) -> tuple[float, float | None]:
+        """Outer step on the compute thread: (update norm, replica spread or None when solo).
+        ``sent``: what ``_outgoing`` returned (host theta when the outer state lives on the host)."""
         theta_bar = phi_bar = spread = None
+        od = self.outer_device
         with torch.no_grad():
+            theta = [p.detach() for p in self.params] if od == self.device else sent[:len(self.params)]
             if mean is not None and n > 1:  # the exchange hands out only verified, finite means
-                theta_bar, phi_bar = self.outer.split_means(mean)
+                theta_bar, phi_bar = self.outer.split_means([to_device(t, od) for t in mean])
                 spread = float(torch.sqrt(sum(((t.to(torch.float32) - tb) ** 2).sum() for t, tb in
-                                              zip(self.params, theta_bar)) / sum(p.numel() for p in self.params)))
+                                              zip(theta, theta_bar)) / sum(p.numel() for p in self.params)))
             else:
                 n = 1
             before = [p.clone() for p in self.outer.phi]
-            theta = [p.detach() for p in self.params]
             phi = self.outer.outer_step(theta, theta_bar, phi_bar, n=n)
-            copy_into(self.params, phi)
+            copy_into(self.params, phi)  # theta <- phi (host -> device when the outer state is on the host)
             return float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(phi, before)))), spread
 
     async def _one_round(self) -> None:
@@ -360,7 +436,7 @@ class NoLoCoRole(RoleBase):
         if self._stopping:
             return
         rnd = await self._catch_up_round() if self._catch_up else self.round
-        tensors = await self.compute.run(self.outer.exchange_tensors, [p.detach() for p in self.params])
+        tensors = await self.compute.run(self._outgoing)
         timeout = self.cfg.round_timeout
         if self.cfg.outer == "diloco":
             expected = await self._live_workers()
@@ -369,9 +445,18 @@ class NoLoCoRole(RoleBase):
             res = await self.exchange.pair_average(rnd, tensors, timeout)
         outcome, reason = res.outcome, res.reason
         n = res.n if res.mean is not None and res.n > 1 else 1
-        norm, spread = await self.compute.run(self._outer_step, res.mean, n)
+        norm, spread = await self.compute.run(self._outer_step, res.mean, n, tensors)
+        # ---- checks/rollback region (S2): a non-finite or out-of-bound outer step is undone
+        why = await self.compute.run(self._outer_result_problem, norm)
+        if why is not None:
+            await self._roll_back(rnd, why, outcome, reason)
+            return
+        if self._bad_rounds:
+            await self._recovered()
+        # ---- end of the checks/rollback region
         if spread is not None:
             M.REPLICA_SPREAD.set(spread)
+        record_memory(self.device)
         self.round = rnd + 1
         self._round_start_step = self.step
         await self._take_snapshot()
@@ -407,6 +492,77 @@ class NoLoCoRole(RoleBase):
         if self.cfg.outer == "diloco" and n == 1 and outcome != "ok":
             await self._resync_phi()
 
+    # ---------------- checks and rollback (security.md §7; issue 7) ----------------
+    def _outer_result_problem(self, norm: float) -> str | None:
+        """None if the outer step just taken is good, else why not (compute thread): phi must be
+        finite and ``||phi_new - phi_good|| <= max_update_ratio * ||phi_good||``, where phi_good is
+        the last good phi (the snapshot joiners download). A good step refreshes the host copy of
+        m that a later rollback restores."""
+        if not math.isfinite(norm):
+            return "nonfinite"
+        snap = self._snapshot
+        if snap is not None:
+            if self._good_norm is None or self._good_norm[0] != id(snap):
+                ref = math.sqrt(sum(float(torch.dot(t.reshape(-1).double(), t.reshape(-1).double()))
+                                    for t in snap.weights.values()))
+                self._good_norm = (id(snap), ref)
+            ref = self._good_norm[1]
+            if norm > self.cfg.max_update_ratio * max(ref, 1e-12):
+                return f"out_of_bound (update norm {norm:.4g} > {self.cfg.max_update_ratio:g} x ||phi|| {ref:.4g})"
+        self._good_m = [m.detach().to(device="cpu", dtype=torch.float32, copy=True) for m in self.outer.m]
+        return None
+
+    def _restore_good(self) -> None:
+        """Back to the last good state (compute thread): phi from the snapshot, m from its host
+        copy (zeros before the first good step), theta = phi, and a fresh inner optimizer at the
+        current step (its moments may hold the same poison)."""
+        snap = self._snapshot
+        with torch.no_grad():
+            if snap is not None:
+                for dst, name in zip(self.outer.phi, self.names):
+                    dst.copy_(snap.weights[name])
+            for i, dst in enumerate(self.outer.m):
+                if self._good_m is not None:
+                    dst.copy_(self._good_m[i])
+                else:
+                    dst.zero_()
+            copy_into(self.params, self.outer.phi)
+        self.opt, self.sched = self._new_inner(self.step)
+        self._round_start_step = self.step
+
+    async def _roll_back(self, rnd: int, why: str, outcome: str, reason: str) -> None:
+        """Undo a bad outer step, report not-ready ("recovering"); on the second bad step in a row
+        re-download the state from a peer (then ready again)."""
+        await self.compute.run(self._restore_good)
+        self._bad_rounds += 1
+        M.OUTER_ROUNDS.labels(outcome="failed").inc()
+        M.SOLO_ROUNDS.labels(reason="rolled_back").inc()
+        log.error("outer step of round %d was %s (exchange: %s %s): rolled back to round %d's state", rnd, why,
+                  outcome, reason, self.round, extra={"event": "outer_rollback", "round": self.round, "why": why,
+                                                      "bad_rounds": self._bad_rounds})
+        await self.ctx.set_role_ready(False, "recovering", f"outer step of round {rnd} was {why}; rolled back "
+                                                           f"to round {self.round}'s state")
+        if self._bad_rounds < 2:
+            return
+        got = await self._fetch_from_donor(min_round=max(1, self.round))
+        if got is None:
+            log.warning("no peer could give a fresh state; retrying after the next round",
+                        extra={"event": "recovery_download_failed"})
+            return
+        rnd2, phi, donor = got
+        await self.compute.run(self._adopt_joined, rnd2, phi)
+        self._good_m = None
+        await self._take_snapshot()
+        log.info("recovered at round %d with state from %s", rnd2, donor,
+                 extra={"event": "resume", "source": "peer", "round": rnd2, "donor": donor})
+        self.ctx.card.update(round=self.round, publish=True)
+        await self._recovered()
+
+    async def _recovered(self) -> None:
+        self._bad_rounds = 0
+        log.info("outer steps are good again: ready", extra={"event": "recovered", "round": self.round})
+        await self.ctx.set_role_ready(True, "ready", "")
+
     async def _catch_up_round(self) -> int:
         """The round label for this exchange: ours, or the most advanced live peer's if higher
         (see ``WorkerConfig.catch_up``). ``self.round`` moves only when the round completes."""
@@ -415,7 +571,8 @@ class NoLoCoRole(RoleBase):
                                      timeout=min(2.0, self.cfg.round_timeout / 4))
         except Exception:  # noqa: BLE001 - no view of the swarm this round: keep our label
             return self.round
-        target = max_card_int(self._ready_peers(views), "round")
+        # range check: a card more than max_round_jump past the peers' median is ignored, never adopted
+        target = frontier_card_int(self._ready_peers(views), "round", self.cfg.max_round_jump, own=self.round)
         if target is None or target <= self.round:
             return self.round
         log.info("round label %d -> %d: the swarm is ahead", self.round, target,

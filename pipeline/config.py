@@ -8,6 +8,8 @@ grpc, hivemind or node code.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.paths import PathRules
@@ -59,6 +61,28 @@ class ScheduleConfig(BaseModel):
     """Seed of allocation and path search (same inputs + seed -> same schedule, unless the
     time budget cut the search)."""
 
+    method: Literal["skippipe", "random", "full"] = "skippipe"
+    """Which schedule the coordinator builds: "skippipe" (collision-aware search), "random"
+    (random legal balanced paths) or "full" (every stage in order, no skipping). Change it only
+    to run a baseline."""
+
+    expect_nodes: int = Field(0, ge=0)
+    """The coordinator plans only once this many stage nodes (stage 0 included) publish cards
+    (0 = as soon as every stage has a node). Set it to the swarm's size so the first schedule
+    already uses every replica instead of re-planning as each one arrives."""
+
+    settle_s: float = Field(2.0, ge=0)
+    """Stage membership must stay unchanged this long before the coordinator re-plans. Raise
+    it when nodes join in bursts; each re-plan bumps the epoch."""
+
+    compute_s: float = Field(0.05, gt=0)
+    """Forward seconds per stage assumed for a node whose card gives no `compute_s`. Only the
+    ratios matter to the search."""
+
+    default_latency_ms: float = Field(1.0, ge=0)
+    """Link latency assumed between two stage nodes that `[netem]` (matrix, links, default)
+    does not describe."""
+
     def rules(self) -> PathRules:
         return PathRules.from_skip_ratio(self.stages, self.skip_ratio, max_jump=self.max_jump,
                                          max_swaps=self.max_swaps,
@@ -73,3 +97,55 @@ class ScheduleConfig(BaseModel):
             raise ValueError(f"schedule settings do not form valid path rules: {exc}; "
                              "change stages or skip_ratio") from exc
         return self
+
+
+class StageConfig(BaseModel):
+    """``[stage]``: how one `stage` node runs (pipeline/stage_role.py)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    index: int = Field(0, ge=0)
+    """The pipeline stage this node serves: 0 = a data node (data, embedding, head and loss),
+    1..S-1 = a range of transformer blocks. Every node of one stage starts from the same weights
+    (`seed`); give each stage at least one node."""
+
+    iterations: int = Field(0, ge=0)
+    """Stop after this many iterations (0 = train until stopped). The first data node runs a
+    final in-order validation and then tells every node to drain; the demo uses it."""
+
+    lr: float = Field(3e-3, gt=0)
+    """AdamW learning rate of this stage (the same on every stage)."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+
+    clip: float = Field(1.0, gt=0)
+    """Per-stage gradient-norm clip applied to the visit-averaged gradient before the step."""
+
+    seed: int = 0
+    """Initial-weight seed; the same on every node of the run so replicas start identical."""
+
+    stage0_layers: int = Field(0, ge=0)
+    """Transformer blocks stage 0 keeps next to its embedding (SkipPipe: 1; CheckFree: 0)."""
+
+    eval_every: int = Field(5, ge=0)
+    """The first data node validates the full in-order model every this many iterations
+    (and at the start and the end); 0 = only at the start and the end."""
+
+    eval_batches: int = Field(2, ge=1)
+    """Validation batches per evaluation (fixed windows of the validation stream)."""
+
+    torch_threads: int = Field(0, ge=0)
+    """Intra-op torch threads (0 = torch's default). Set 1 when several nodes share a machine."""
+
+    compute_delay_s: float = Field(0.0, ge=0)
+    """Extra seconds slept per forward (1.5x per backward, 0.25x per loss), to emulate a slower
+    accelerator in benchmarks. Also published as this node's `compute_s` for the scheduler."""
+
+    max_activation_mb: float = Field(64.0, gt=0)
+    """Largest tensor (activation, gradient or a replica's flat gradient) accepted on the
+    pipeline stream, in MiB. Raise it for bigger models."""
+
+    iteration_timeout_s: float = Field(300.0, gt=0)
+    """An iteration that makes no progress for this long is logged as stuck (with what it still
+    waits for) and the node drains; check the peers named in the log."""

@@ -119,7 +119,7 @@ class Schedule:
                 "partitions": [list(g) for g in self.partitions],
                 "paths": {str(i): list(p) for i, p in enumerate(self.paths)},
                 "microbatches": [list(m) for m in self.microbatches()],
-                "expected_makespan": round(self.expected_makespan, 6),
+                "expected_makespan": self.expected_makespan,
                 "cost_hash": self.cost_hash, "names": list(self.names)}
 
     def to_json(self) -> str:

@@ -90,7 +90,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in ALLOWED_DTYPES.items()}
 _HASHERS: dict[str, Callable[[], "xxhash.xxh3_128"]] = {"xxh3_128": xxhash.xxh3_128}
 _DIGEST_BYTES = {"xxh3_128": 16}
 
-REJECT_REASONS = frozenset({"dtype", "shape", "size", "checksum", "truncated", "malformed", "nonfinite"})
+REJECT_REASONS = frozenset({"dtype", "shape", "size", "checksum", "truncated", "malformed", "nonfinite",
+                            "norm", "distance"})  # the last two: optimizers.exchange_common.check_bounds
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("protocol.codec assumes a little-endian host (payload is little-endian)")

@@ -51,7 +51,8 @@ from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from protocol.stream_wire import (Received, StreamAssembler, credit_frame, error_frame, hello_frame, parse,
                                   parse_hello, tensor_frames)
 
-__all__ = ["PeerError", "Refused", "StreamError", "StreamClosed", "ChannelPool", "next_frame", "task",
+__all__ = ["PeerError", "Refused", "StreamError", "StreamClosed", "ChannelPool", "signed_channel", "StreamCall",
+           "CallOver", "next_frame", "task",
            "remaining", "TensorStream", "TensorStreamService", "open_stream", "add_tensor_stream_to_server",
            "Received", "STREAM_SERVICE", "OPEN_METHOD", "IDLE_S", "OPEN_WAIT_S", "DEFAULT_WINDOW"]
 
@@ -129,18 +130,39 @@ async def next_frame(read: Callable[[], Awaitable[object]], deadline: float, idl
     return item
 
 
+_DEFAULT_AUTH = object()
+
+
+def signed_channel(addr: str, options, *, peer_id: str | None = None, auth=_DEFAULT_AUTH) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``addr`` whose calls are signed (security.md §5) when this
+    process has a ``security.peer_auth.ClientAuth`` (the daemon installs one when
+    ``security.peer_auth = "signed"``) or ``auth`` is given; plain otherwise. The target peer
+    ID is ``peer_id`` or the one whose live node card names ``addr``."""
+    if auth is _DEFAULT_AUTH:
+        from security.peer_auth import client_auth
+        auth = client_auth()
+    interceptors = auth.interceptors(addr, peer_id) if auth is not None else None
+    return grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors)
+
+
 class ChannelPool:
     """One ``grpc.aio`` channel per peer address, reused across calls and streams (a channel
-    multiplexes any number of calls; opening one per call costs a TCP and HTTP/2 handshake)."""
+    multiplexes any number of calls; opening one per call costs a TCP and HTTP/2 handshake).
 
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options=None):
+    Channels are signed as :func:`signed_channel` says (``auth``: a ``ClientAuth``, None for
+    plain channels, default the process's). Request-streaming calls on a signed channel must pass
+    a request iterator (its first message is signed); ``open_stream`` does."""
+
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options=None, auth=_DEFAULT_AUTH):
         self.options = list(options) if options is not None else channel_options(max_message_bytes)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._auth = auth
+        self._channels: dict[tuple[str, str | None], grpc.aio.Channel] = {}
 
-    def get(self, addr: str) -> grpc.aio.Channel:
-        ch = self._channels.get(addr)
+    def get(self, addr: str, peer_id: str | None = None) -> grpc.aio.Channel:
+        ch = self._channels.get((addr, peer_id))
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=self.options)
+            ch = self._channels[(addr, peer_id)] = signed_channel(addr, self.options, peer_id=peer_id,
+                                                                  auth=self._auth)
         return ch
 
     async def close(self) -> None:
@@ -178,9 +200,10 @@ class TensorStream:
 
     def __init__(self, *, read, write, peer: stream_pb2.StreamHello, window: int, max_tensor_bytes: int,
                  cap_key: str, chunk_bytes: int, pace: Pace | None, on_reject: Callable[[str], None] | None,
-                 call=None):
+                 call=None, done_writing=None):
         self.peer = peer                      # the peer's hello: sender, channel, window, meta
         self._read, self._write, self._call = read, write, call
+        self._done_writing = done_writing or (call.done_writing if call is not None else None)
         self._asm = StreamAssembler(max_tensor_bytes, cap_key)
         self._chunk, self._pace, self._on_reject = chunk_bytes, pace, on_reject
         self._window = window
@@ -274,7 +297,7 @@ class TensorStream:
             return
         try:
             async with self._write_lock:
-                await asyncio.wait_for(self._call.done_writing(), timeout)
+                await asyncio.wait_for(self._done_writing(), timeout)
             await asyncio.wait_for(asyncio.shield(self._reader), timeout)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
@@ -394,10 +417,12 @@ async def open_stream(channel: grpc.aio.Channel, *, run_id: str, sender: str, ch
     and return the client's end. Raises StreamError (reason "refused" with the server's words
     when it refuses the run or channel; "timeout" if it does not answer in ``timeout`` s)."""
     chunk = _chunk_for(chunk_bytes, max_message_bytes)
-    call = channel.stream_stream(OPEN_METHOD)()  # bytes in, bytes out: frames are built by hand
+    outbox = _Outbox()  # a request iterator, not call.write: a signed channel signs its first message
+    call = channel.stream_stream(OPEN_METHOD)(outbox)  # bytes in, bytes out: frames are built by hand
+    call.add_done_callback(lambda _c: outbox.fail())
     try:
         async with asyncio.timeout(timeout):
-            await call.write(hello_frame(run_id, sender, channel_name, _window(window), meta))
+            await outbox.put(hello_frame(run_id, sender, channel_name, _window(window), meta))
             data = await call.read()
             if data is grpc.aio.EOF:
                 code, details = await call.code(), await call.details()
@@ -411,9 +436,84 @@ async def open_stream(channel: grpc.aio.Channel, *, run_id: str, sender: str, ch
     except TensorRejected as exc:
         call.cancel()
         raise StreamError(exc.reason, str(exc)) from None
-    return TensorStream(read=call.read, write=call.write, peer=peer, window=window,
+    except RuntimeError as exc:  # the call ended before the hello went out
+        call.cancel()
+        raise StreamError("peer_error", f"the stream ended before the hello: {exc}") from None
+    return TensorStream(read=call.read, write=outbox.put, peer=peer, window=window,
                         max_tensor_bytes=max_tensor_bytes, cap_key=cap_key, chunk_bytes=chunk, pace=pace,
-                        on_reject=on_reject, call=call)
+                        on_reject=on_reject, call=call, done_writing=outbox.close)
+
+
+class CallOver(asyncio.InvalidStateError, RuntimeError):
+    """A write to a request stream whose call has already ended."""
+
+
+class StreamCall:
+    """A request-streaming call used like grpc's (``write`` / ``done_writing`` / ``read``) but fed
+    through a request iterator, so a signed channel can sign its first message (grpc.aio's
+    ``call.write`` mode gives interceptors no message to sign). ``stub_method(...)`` args pass
+    through; every other attribute is the underlying call's. A write after the call ended raises
+    :class:`CallOver` (an ``asyncio.InvalidStateError``, as grpc's own write does)."""
+
+    def __init__(self, multicallable, **kwargs):
+        self._out = _Outbox()
+        self._call = multicallable(self._out, **kwargs)
+        self._call.add_done_callback(lambda _c: self._out.fail())
+
+    async def write(self, message) -> None:
+        await self._out.put(message)
+
+    async def done_writing(self) -> None:
+        await self._out.close()
+
+    def __aiter__(self):
+        return self._call.__aiter__()
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+
+class _Outbox:
+    """The client's request iterator: ``put`` hands one frame to gRPC and waits while one is
+    already queued (the same backpressure as ``call.write``); ``close`` half-closes; ``fail``
+    (the call ended) makes every ``put`` raise RuntimeError."""
+
+    def __init__(self):
+        self._items: collections.deque[bytes] = collections.deque()
+        self._space, self._avail = asyncio.Event(), asyncio.Event()
+        self._closed = self._dead = False
+
+    async def put(self, item: bytes) -> None:
+        while self._items and not self._dead:
+            self._space.clear()
+            await self._space.wait()
+        if self._dead or self._closed:
+            raise CallOver("the stream's call is over" if self._dead else "the stream is half-closed")
+        self._items.append(item)
+        self._avail.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        self._avail.set()
+
+    def fail(self) -> None:
+        self._dead = True
+        self._space.set()
+        self._avail.set()
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        while True:
+            while not self._items:
+                if self._closed or self._dead:
+                    return
+                self._avail.clear()
+                await self._avail.wait()
+            item = self._items.popleft()
+            self._space.set()
+            yield item
 
 
 Handler = Callable[[TensorStream], Awaitable[None]]
@@ -447,11 +547,18 @@ class TensorStreamService:
         self._handlers[channel] = handler
 
     async def Open(self, request_iterator, context) -> None:  # noqa: N802 - gRPC API
+        read = _reader(request_iterator)  # the iterator, not context.read(): the auth wrapper owns it
         try:
-            data = await asyncio.wait_for(context.read(), OPEN_WAIT_S)
+            data = await asyncio.wait_for(read(), OPEN_WAIT_S)
             if data is grpc.aio.EOF:
                 return
             hello = parse_hello(parse(data))
+            from security.peer_auth import current_peer
+            verified = current_peer()
+            if verified is not None and hello.sender != verified:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "sender",
+                              f"hello names sender ...{hello.sender[-8:]} but the call is signed by "
+                              f"...{verified[-8:]}; a peer speaks only for itself")
             if hello.run_id != self.run_id:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "run",
                               f"run {hello.run_id[:40]!r} is not this node's run {self.run_id!r}")
@@ -472,7 +579,7 @@ class TensorStreamService:
         except Refused as r:
             await context.abort(r.code, f"{r.reason}: {r.detail}")
             return
-        stream = TensorStream(read=context.read, write=context.write, peer=hello, window=self.window,
+        stream = TensorStream(read=read, write=context.write, peer=hello, window=self.window,
                               max_tensor_bytes=self.max_tensor_bytes, cap_key=self.cap_key, chunk_bytes=self.chunk,
                               pace=self.pace(hello.sender) if self.pace else None, on_reject=self.on_reject)
         self.open_streams.add(stream)
@@ -493,6 +600,18 @@ class TensorStreamService:
                 app.cancel()
             stream._closing = True
             stream._reader.cancel()
+
+
+def _reader(request_iterator):
+    """``context.read()``-like reads (EOF at the end) over a request iterator."""
+    it = request_iterator.__aiter__()
+
+    async def read():
+        try:
+            return await it.__anext__()
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+    return read
 
 
 def add_tensor_stream_to_server(service: TensorStreamService, server: grpc.aio.Server) -> None:

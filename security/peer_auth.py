@@ -43,7 +43,7 @@ import inspect
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -55,7 +55,8 @@ from security.keys import RecordRejected, peer_id_str, public_key_of, verify
 __all__ = [
     "HDR_PEER", "HDR_TS", "HDR_NONCE", "HDR_SIG", "HDR_TOKEN", "REASON_CODES", "AuthFailure", "Envelope",
     "signing_bytes", "body_digest", "CallSigner", "client_interceptors", "NonceCache",
-    "PeerAuthenticator", "verified_peer", "wrap_method_handler", "AuthenticatedGenericHandler", "add_servicer",
+    "PeerAuthenticator", "verified_peer", "current_peer", "wrap_method_handler", "AuthenticatedGenericHandler",
+    "add_servicer", "ClientAuth", "set_client_auth", "client_auth", "UnresolvedTarget",
 ]
 
 HDR_PEER, HDR_TS = "x-swarmnode-peer", "x-swarmnode-ts"
@@ -152,13 +153,18 @@ class _SigningInterceptor:
     """Shared part of the four client interceptors (grpc.aio files an interceptor under the
     first call type it implements only, so each type needs its own class)."""
 
-    def __init__(self, signer: CallSigner, target_peer_id: str):
-        public_key_of(target_peer_id)  # RecordRejected for a bad target ID
+    def __init__(self, signer: CallSigner, target_peer_id: str | Callable[[], str]):
+        if isinstance(target_peer_id, str):
+            public_key_of(target_peer_id)  # RecordRejected for a bad target ID
         self.signer, self.target_peer_id = signer, target_peer_id
+
+    def _target(self) -> str:
+        t = self.target_peer_id
+        return t if isinstance(t, str) else t()
 
     def _details(self, details: grpc.aio.ClientCallDetails, request: Any) -> grpc.aio.ClientCallDetails:
         md = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()))
-        for k, v in self.signer.sign_request(details.method, self.target_peer_id, request):
+        for k, v in self.signer.sign_request(details.method, self._target(), request):
             md.add(k, v)
         return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
                                           details.wait_for_ready)
@@ -217,6 +223,49 @@ def client_interceptors(signer: CallSigner, target_peer_id: str) -> list:
     ``grpc.aio.insecure_channel(addr, interceptors=client_interceptors(signer, target))``.
     Request-streaming calls must pass a request iterator (its first message is signed)."""
     return [cls(signer, target_peer_id) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+
+
+class UnresolvedTarget(ConnectionError):
+    """No live node card names the address a call goes to, so there is no peer ID to sign for."""
+
+
+class ClientAuth:
+    """How this process signs its outgoing calls: ``signer`` plus ``resolve(addr) -> peer ID or
+    None`` (the node's cached view of the run's cards). Installed once per node process with
+    :func:`set_client_auth`; ``protocol.streams.ChannelPool`` and ``node.state_sync.fetch_state``
+    pick it up, so roles open signed channels without extra code."""
+
+    def __init__(self, signer: CallSigner, resolve: Callable[[str], str | None]):
+        self.signer, self.resolve = signer, resolve
+
+    def target_of(self, addr: str, peer_id: str | None = None) -> str:
+        if peer_id:
+            return peer_id
+        found = self.resolve(addr)
+        if not found:
+            raise UnresolvedTarget(f"no live node card has gRPC address {addr!r}, so the call cannot be signed "
+                                   "for it; wait for the peer's card (or pass its peer ID)")
+        return found
+
+    def interceptors(self, addr: str, peer_id: str | None = None) -> list:
+        """Signing interceptors for a channel to ``addr``; the target peer ID is ``peer_id`` or
+        looked up at each call (so a channel made before the peer's card was seen still works)."""
+        if peer_id:
+            return client_interceptors(self.signer, peer_id)
+        return client_interceptors(self.signer, lambda: self.target_of(addr))
+
+
+_client_auth: ClientAuth | None = None
+
+
+def set_client_auth(auth: ClientAuth | None) -> None:
+    """Install (or with None remove) the process-wide :class:`ClientAuth` (the daemon does)."""
+    global _client_auth
+    _client_auth = auth
+
+
+def client_auth() -> ClientAuth | None:
+    return _client_auth
 
 
 _END = object()
@@ -296,14 +345,19 @@ class PeerAuthenticator:
     ``is_known_peer(peer_id) -> bool``: e.g. "has a live node card in the run" (None = anyone
     with a valid key). ``check_token(peer_id, token_bytes_or_None)``: raise (any exception, its
     message is sent back) to refuse; None = open mode. ``on_reject(failure, remote)``: called for
-    every rejection (metrics, ban list); ``remote`` is ``context.peer()`` when known."""
+    every rejection (metrics, ban list); ``remote`` is ``context.peer()`` when known.
+    ``await_known(peer_id) -> bool`` (optional, async): asked once before an unknown peer is
+    refused, e.g. a bounded, coalesced re-read of the run's node cards, so a node that has just
+    published its card (a joiner asking for state) is not turned away by a stale view."""
 
     def __init__(self, *, run_id: str, own_peer_id: str, window_s: float = 60.0,
                  is_known_peer: Callable[[str], bool] | None = None,
                  check_token: Callable[[str, bytes | None], Any] | None = None,
                  on_reject: Callable[[AuthFailure, str | None], None] | None = None,
-                 nonce_cache: NonceCache | None = None, clock: Callable[[], float] = time.time):
+                 nonce_cache: NonceCache | None = None, clock: Callable[[], float] = time.time,
+                 await_known: Callable[[str], Awaitable[bool]] | None = None):
         self.run_id, self.own_peer_id, self.window_s = run_id, own_peer_id, window_s
+        self.await_known = await_known
         self.is_known_peer, self.check_token, self.on_reject = is_known_peer, check_token, on_reject
         self._clock = clock
         self.nonces = nonce_cache if nonce_cache is not None else NonceCache(2 * window_s, clock=clock)
@@ -356,6 +410,17 @@ class PeerAuthenticator:
                               peer_id=peer)
         return Envelope(method, peer, ts_ms, nonce, sig, token)
 
+    async def check_envelope_async(self, method: str | bytes, metadata) -> Envelope:
+        """:meth:`check_envelope`, giving ``await_known`` one chance for a peer not yet known."""
+        try:
+            return self.check_envelope(method, metadata)
+        except AuthFailure as failure:
+            if failure.reason != "unknown_peer" or self.await_known is None or not failure.peer_id:
+                raise
+            if not await self.await_known(failure.peer_id):
+                raise
+        return self.check_envelope(method, metadata)
+
     # the expensive part: signature over the body digest, then the nonce is spent
     def finish(self, env: Envelope, digests: Iterable[bytes]) -> str:
         """Verify ``env.sig`` against the first matching digest; record the nonce; return the peer."""
@@ -383,6 +448,12 @@ def verified_peer(context: Any = None) -> str:
     if peer is None:
         raise RuntimeError("no verified peer: this handler is not wrapped by security.peer_auth")
     return peer
+
+
+def current_peer() -> str | None:
+    """The verified caller inside a wrapped handler, or None where calls are not authenticated
+    (``security.peer_auth = "none"``, tests with bare servers)."""
+    return _verified_peer.get()
 
 
 def _digests(raw: bytes | None, deserializer, parsed) -> Iterable[bytes]:
@@ -416,14 +487,14 @@ def wrap_method_handler(handler: grpc.RpcMethodHandler, method: str, auth: PeerA
                               authenticated=_verified_peer.get() is not None) from None
 
     async def authenticate_unary(raw: bytes, context):
-        env = auth.check_envelope(method, context.invocation_metadata())
+        env = await auth.check_envelope_async(method, context.invocation_metadata())
         req = parse(raw, env.peer_id)
         peer = auth.finish(env, _digests(raw, deser, req))
         _verified_peer.set(peer)
         return req
 
     async def authenticate_stream(request_iterator, context):
-        env = auth.check_envelope(method, context.invocation_metadata())
+        env = await auth.check_envelope_async(method, context.invocation_metadata())
         it = request_iterator.__aiter__()
         try:
             if first_frame_timeout_s is None:

@@ -68,7 +68,8 @@ _MAX_KEY_CHARS = 512
 _ENVELOPE_OVERHEAD = 1024  # bytes beyond the payload cap allowed for v, k, s and framing
 _NO_SUBKEY = (msgpack.packb(None), b"")  # hivemind's IS_REGULAR_VALUE, IS_DICTIONARY
 REASONS = ("namespace", "no_subkey", "not_ed25519", "malformed", "signature", "coordinator",
-           "expiration", "oversize", "schema")
+           "expiration", "oversize", "schema", "admission")
+_TOKEN_OVERHEAD = 2048 + 16  # security.admission.MAX_TOKEN_BYTES plus its msgpack framing
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -194,7 +195,8 @@ class SignedRecordValidator(RecordValidatorBase):
     """
 
     def __init__(self, run_id: str, private_key: Ed25519PrivateKey | None, namespaces: Iterable[Namespace],
-                 coordinator_peer_id: str | None = None):
+                 coordinator_peer_id: str | None = None, *, admission_token: bytes | None = None,
+                 require_admission: bool = False):
         if not run_id or "/" in run_id:
             raise ValueError(f"run_id must be non-empty and contain no '/': {run_id!r}")
         self.run_id = run_id
@@ -207,10 +209,15 @@ class SignedRecordValidator(RecordValidatorBase):
         if coordinator_peer_id is not None:
             public_key_of(coordinator_peer_id)  # raises RecordRejected (ValueError) for a bad ID
         self.coordinator_peer_id = coordinator_peer_id
+        # token mode (security.md §3): sign_value attaches our admission token as envelope field
+        # "t"; _check requires a valid one for every writer but the coordinator
+        if require_admission and coordinator_peer_id is None:
+            raise ValueError("require_admission needs coordinator_peer_id (security.coordinator_peer_id)")
+        self.require_admission, self._admission_token = require_admission, admission_token
         self._private_key = private_key
         self.local_peer_id = peer_id_str(private_key) if private_key is not None else None
-        self._max_value_bytes = max((ns.max_payload_bytes for ns in self._namespaces), default=0) \
-            + _ENVELOPE_OVERHEAD
+        self._overhead = _ENVELOPE_OVERHEAD + (_TOKEN_OVERHEAD if require_admission or admission_token else 0)
+        self._max_value_bytes = max((ns.max_payload_bytes for ns in self._namespaces), default=0) + self._overhead
         self.rejections: dict[str, int] = {}
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
@@ -267,11 +274,13 @@ class SignedRecordValidator(RecordValidatorBase):
             public_key = None
         if public_key is None:
             raise _Reject("not_ed25519", "subkey is not an Ed25519 peer ID (12D3KooW...)")
-        if len(record.value) > ns.max_payload_bytes + _ENVELOPE_OVERHEAD:
+        if len(record.value) > ns.max_payload_bytes + self._overhead:
             raise _Reject("oversize", f"value of {len(record.value)} bytes in {ns.name!r}")
-        if env is None or set(env) != {"v", "k", "p", "s"} or not isinstance(env["p"], bytes) \
+        if env is None or set(env) - {"t"} != {"v", "k", "p", "s"} or not isinstance(env["p"], bytes) \
                 or not isinstance(env["s"], bytes) or len(env["s"]) != 64:
             raise _Reject("malformed", f"not a signed swarmnode envelope in {ns.name!r}")
+        if self.require_admission and subkey != self.coordinator_peer_id:
+            self._check_admission(env.get("t"), subkey, ns)
         if ns.coordinator_only and subkey != self.coordinator_peer_id:
             raise _Reject("coordinator", f"{ns.name!r} is coordinator-only; writer {subkey[:16]}...")
         if record.expiration_time > get_dht_time() + ns.max_ttl_s + EXPIRATION_SLACK_S:
@@ -288,6 +297,16 @@ class SignedRecordValidator(RecordValidatorBase):
         except Exception as exc:  # noqa: BLE001
             raise _Reject("schema", f"payload does not match {ns.model.__name__}: "
                                     f"{str(exc).splitlines()[0][:200]}") from None
+
+    def _check_admission(self, token: Any, writer: str, ns: Namespace) -> None:
+        from security.admission import AdmissionRejected, verify_token
+        if not isinstance(token, bytes):
+            raise _Reject("admission", f"record in {ns.name!r} by ...{writer[-8:]} carries no admission token "
+                                       "(this run is in token mode)")
+        try:
+            verify_token(token, coordinator_peer_id=self.coordinator_peer_id, run_id=self.run_id, peer_id=writer)
+        except AdmissionRejected as exc:
+            raise _Reject("admission", f"record in {ns.name!r} by ...{writer[-8:]}: {exc}") from None
 
     def _count(self, reason: str, detail: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -327,14 +346,15 @@ class SignedRecordValidator(RecordValidatorBase):
         if subkey != self.local_peer_id:
             return record.value  # only our own subkey is ours to sign; validate() will refuse it
         sig = self._private_key.sign(signing_bytes(env["k"], subkey, env["p"], record.expiration_time))
-        return msgpack.packb({**env, "s": sig}, use_bin_type=True)
+        extra = {"t": self._admission_token} if self._admission_token else {}
+        return msgpack.packb({**env, "s": sig, **extra}, use_bin_type=True)
 
     def strip_value(self, record: DHTRecord) -> bytes:
         env = _unpack_envelope(record.value)
         if env is None or "s" not in env or not isinstance(env.get("k"), str) \
                 or not env["k"].startswith(self._prefix):
             return record.value
-        return msgpack.packb({k: v for k, v in env.items() if k != "s"}, use_bin_type=True)
+        return msgpack.packb({k: v for k, v in env.items() if k not in ("s", "t")}, use_bin_type=True)
 
 
 Ed25519PeerIdValidator = SignedRecordValidator  # the name used in security.md §4

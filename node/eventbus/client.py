@@ -59,6 +59,38 @@ class Delivery:
     notice: Notice | None = None   # decoded for the ``swarm`` topic
 
 
+def _in_own_thread(fn: Callable[[], Any], name: str) -> "asyncio.Future[Any]":
+    """Run blocking ``fn`` on a fresh daemon thread and return a future for its result.
+
+    Not ``asyncio.to_thread``: the default executor has ``cpu_count + 4`` threads (6 on a 2-core
+    box), and a ``proc.wait()`` per supervised sidecar would hold one each for the sidecar's whole
+    life. With 8 sidecars in one process the pool was full of waits, so ``stop()``'s kill (the
+    only thing that ends a wait) queued behind them forever: the 8-node benchmark hung."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle, False, exc)
+            return
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(settle, True, value)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
 class SidecarProcess:
     """One run of the child process: start, wait until it serves, kill."""
 
@@ -162,7 +194,7 @@ class EventBus:
         self.state = "starting"
         proc = SidecarProcess(self._spec, self.cfg.start_timeout_s)
         try:
-            ready = await asyncio.to_thread(proc.start)
+            ready = await _in_own_thread(proc.start, "eventbus-start")
         except Exception as exc:
             self.last_error = str(exc)
             raise
@@ -194,7 +226,7 @@ class EventBus:
             proc = self.proc
             if proc is None:
                 return
-            code = await asyncio.to_thread(proc.wait)
+            code = await _in_own_thread(proc.wait, "eventbus-wait")
             if self._stopping:
                 return
             self._up.clear()
@@ -232,7 +264,7 @@ class EventBus:
             await self.channel.close()
             self.channel = None
         if self.proc is not None:
-            await asyncio.to_thread(self.proc.kill)
+            await _in_own_thread(self.proc.kill, "eventbus-kill")
         if self._own_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
         bus_metrics.unregister(self)

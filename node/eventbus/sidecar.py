@@ -44,10 +44,12 @@ from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify.pb.identify_pb2 import Identify as IdentifyMsg
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.pubsub import gossipsub as gossipsub_module
 from libp2p.pubsub import pubsub as pubsub_module
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
+from libp2p.pubsub.utils import maybe_consume_signed_record
 from libp2p.pubsub.score import ScoreParams, TopicScoreParams
 from libp2p.pubsub.validators import signature_validator
 from libp2p.tools.anyio_service import background_trio_service
@@ -63,6 +65,12 @@ AGENT = "swarmnode-eventbus/1"
 READY_PREFIX = "EVENTBUS_READY "
 #: Reports about us older than this many probe intervals are forgotten.
 _REPORT_WINDOW = 3.0
+#: A neighbour's unchanged signed peer record is re-verified (and its addresses' TTL refreshed)
+#: at most this often; py-libp2p verifies it on every RPC, twice for RPCs with control parts.
+_RECORD_RECHECK_S = 60.0
+#: The peer with the larger ID waits this long before dialling a newly known peer, so that two
+#: nodes told of each other at once do not both dial (one connection per pair, not two).
+_DIAL_DEFER_S = 2.0
 
 
 class Stats:
@@ -78,13 +86,15 @@ class Stats:
 
 
 class CheckedPubsub(Pubsub):
-    """Pubsub that counts and penalises unsigned or forged messages before py-libp2p's own
-    signature check would drop them silently."""
+    """Pubsub that counts every message py-libp2p would drop silently on receipt: unsigned or
+    forged (and penalises the neighbour), below the score gate, and those lost in the outbound
+    queue of a neighbour whose stream died. It also verifies each signature once, not twice."""
 
     bus: "Bus"
 
     async def push_msg(self, msg_forwarder: ID, msg: Any) -> None:
-        if msg_forwarder != self.my_id and not self._is_msg_seen(msg):
+        mine = msg_forwarder == self.my_id
+        if not mine and not self._is_msg_seen(msg):
             reason = None
             if not msg.signature:
                 reason = "unsigned"
@@ -98,8 +108,18 @@ class CheckedPubsub(Pubsub):
             if reason is not None:
                 self.bus.reject(msg_forwarder, list(msg.topicIDs), reason)
                 return
+            scorer = getattr(self.router, "scorer", None)
+            if scorer is not None and not scorer.allow_publish(msg_forwarder, list(msg.topicIDs)):
+                for tid in msg.topicIDs:  # py-libp2p's own gate (next) would drop it without a trace
+                    self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "score_gate")
+                return
             self.bus.note_forwarder(msg, msg_forwarder)
-        await super().push_msg(msg_forwarder, msg)
+        if mine or not self._is_msg_seen(msg):
+            _VERIFIED[0] = msg  # checked above (or signed here): py-libp2p need not verify it again
+        try:
+            await super().push_msg(msg_forwarder, msg)
+        finally:
+            _VERIFIED[0] = None
 
     def notify_subscriptions(self, publish_message: Any) -> None:
         # hand deliveries to the bus synchronously: py-libp2p's own subscription channel holds 32
@@ -109,9 +129,62 @@ class CheckedPubsub(Pubsub):
             if name is not None:
                 self.bus.deliver(name, publish_message)
 
+    def _handle_dead_peer(self, peer_id: ID) -> None:
+        # py-libp2p closes the neighbour's outbound queue and forgets what was still in it
+        queue = self.peer_queues.get(peer_id) if peer_id in self.peers else None
+        if queue is not None:
+            pending = getattr(queue, "_queue", None)
+            for rpc in list(getattr(pending, "_non_priority", ())) + list(getattr(pending, "_priority", ())):
+                for m in rpc.publish:
+                    for tid in m.topicIDs:
+                        self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "peer_gone")
+        super()._handle_dead_peer(peer_id)
+
+
+#: The message ``CheckedPubsub.push_msg`` has just verified (identity, not equality): py-libp2p's
+#: own check of it, which follows synchronously, is skipped.
+_VERIFIED: list[Any] = [None]
+
+
+def _signature_once(msg: Any) -> bool:
+    if msg is _VERIFIED[0]:
+        return True
+    return signature_validator(msg)
+
+
+class RecordCache:
+    """py-libp2p parses and verifies the sender's signed peer record on every inbound RPC (a
+    quarter of a receiver's CPU in an 8-node burst) and silently drops the whole RPC when that
+    fails. This accepts bytes identical to the record last accepted from that peer without
+    re-verifying them (at most ``_RECORD_RECHECK_S``), and counts the RPCs py-libp2p drops."""
+
+    def __init__(self, bus: "Bus"):
+        self.bus = bus
+        self.accepted: dict[ID, tuple[bytes, float]] = {}
+
+    def __call__(self, msg: Any, host: Any, peer_id: ID) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        record = bytes(msg.senderRecord)
+        now = time.monotonic()
+        last = self.accepted.get(peer_id)
+        if last is not None and last[0] == record and now - last[1] < _RECORD_RECHECK_S:
+            return True
+        ok = maybe_consume_signed_record(msg, host, peer_id)
+        if ok:
+            self.accepted[peer_id] = (record, now)
+            if len(self.accepted) > 4096:
+                self.accepted.pop(next(iter(self.accepted)))
+        else:
+            for m in msg.publish:
+                for tid in m.topicIDs:
+                    self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "bad_peer_record")
+        return ok
+
 
 class CountingGossipSub(GossipSub):
-    """GossipSub that counts the messages its per-neighbour outbound queue had to drop."""
+    """GossipSub that counts the messages it drops: per-neighbour outbound queue full, and
+    messages not forwarded (rate limit, equivocation)."""
 
     bus: "Bus"
 
@@ -120,6 +193,20 @@ class CountingGossipSub(GossipSub):
             for tid in m.topicIDs:
                 self.bus.stats.drop(self.bus.names.get(tid, "unknown"), reason)
         super()._handle_dropped_rpc(peer_id, rpc, reason)
+
+    def _check_spam_protection(self, peer_id: ID, msg: Any) -> bool:
+        ok = super()._check_spam_protection(peer_id, msg)
+        if not ok:  # delivered locally, but not forwarded
+            for tid in msg.topicIDs:
+                self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "rate_limited")
+        return ok
+
+    def _check_equivocation(self, msg: Any) -> bool:
+        ok = super()._check_equivocation(msg)
+        if not ok:
+            for tid in msg.topicIDs:
+                self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "equivocation")
+        return ok
 
 
 class Bus:
@@ -137,6 +224,7 @@ class Bus:
         self.sub_lock = threading.Lock()
         self.known: dict[str, list[str]] = {}
         self.dial_fail: dict[str, tuple[int, float]] = {}
+        self.first_known: dict[str, float] = {}
         self.probes: dict[str, dict[str, Any]] = {}
         self.reports: dict[str, tuple[bool, list[str], str, float]] = {}  # reporter -> (ok, addrs, error, at)
         self.forwarders: collections.OrderedDict[bytes, str] = collections.OrderedDict()
@@ -249,6 +337,8 @@ class Bus:
     # ---- peers: dialling what the daemon passed in ----
     def set_peers_sync(self, peers: dict[str, list[str]]) -> tuple[int, int]:
         self.known = {p: a for p, a in peers.items() if p != self.peer_id and a}
+        now = time.monotonic()
+        self.first_known = {p: self.first_known.get(p, now) for p in self.known}
         for p in list(self.dial_fail):
             if p not in self.known:
                 del self.dial_fail[p]
@@ -273,9 +363,12 @@ class Bus:
                     fails, next_at = self.dial_fail.get(peer, (0, 0.0))
                     if self._connected(peer) or now < next_at:
                         continue
+                    if (not fails and peer > self.peer_id
+                            and now < self.first_known.get(peer, 0.0) + _DIAL_DEFER_S):
+                        continue  # it dials us first; we dial it only if that has not happened
                     n.start_soon(self._connect_one, peer, addrs)
             self.wake = trio.Event()
-            with trio.move_on_after(2.0):
+            with trio.move_on_after(_DIAL_DEFER_S / 2):
                 await self.wake.wait()
 
     async def _connect_one(self, peer: str, addrs: list[str]) -> None:
@@ -510,6 +603,12 @@ async def serve(spec: dict[str, Any]) -> None:
         await stack.enter_async_context(probe_host.run(probe_listen))
         # py-libp2p makes each neighbour's outbound queue with RpcQueue() (32 RPCs, then drops)
         pubsub_module.RpcQueue = functools.partial(RpcQueue, max_size=cfg.outbound_queue)
+        # module globals py-libp2p looks up per call; patched here, not in the installed package
+        # (see RecordCache and _signature_once for why)
+        records = RecordCache(bus)
+        pubsub_module.maybe_consume_signed_record = records
+        gossipsub_module.maybe_consume_signed_record = records
+        pubsub_module.signature_validator = _signature_once
         router = CountingGossipSub([PROTOCOL_ID_V11], degree=cfg.degree, degree_low=cfg.degree_low,
                                    degree_high=cfg.degree_high,
                                    heartbeat_interval=cfg.heartbeat_s,  # type: ignore[arg-type]
@@ -528,6 +627,8 @@ async def serve(spec: dict[str, Any]) -> None:
         await stack.enter_async_context(background_trio_service(pubsub))
         await stack.enter_async_context(background_trio_service(router))
         await pubsub.wait_until_ready()
+        if os.environ.get("SN_BUS_TRACE"):  # D3-DEBUG
+            sys.path.insert(0, "/tmp"); import d3_trace; d3_trace.install(bus, pubsub, router)  # D3-DEBUG
         subs = {}
         for name, tid in bus.topic_ids.items():
             pubsub.set_topic_validator(tid, bus.validator(name), False)
@@ -573,6 +674,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m node.eventbus.sidecar SPEC_JSON (started by the swarmnode daemon)", file=sys.stderr)
         return 2
     spec = json.loads(argv[0])
+    # py-libp2p's yamux sends a WINDOW_UPDATE frame (an encrypted write) after every read by
+    # default; off, it batches them at half the window like go-yamux: a fifth less receiver CPU
+    os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
     logging.basicConfig(level=logging.INFO if spec.get("verbose") else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s eventbus-sidecar %(levelname)s %(name)s: %(message)s")
     logging.getLogger("libp2p").setLevel(logging.DEBUG if spec.get("debug_libp2p") else logging.CRITICAL)

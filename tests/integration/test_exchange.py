@@ -197,9 +197,13 @@ async def test_nan_is_rejected(dhts):
                                            callee.ex.pair_average(r, tensors(2, nan=not nan_on_caller), 8))
             receiver, sender = (callee, caller) if nan_on_caller else (caller, callee)
             res_recv, res_send = (re_, rc) if nan_on_caller else (rc, re_)
-            assert (res_recv.outcome, res_recv.reason, res_recv.mean) == ("failed", "nonfinite", None)
-            assert receiver.rejects == ["nonfinite"]
+            # The receiver either reads the NaN tensors and rejects them, or the NaN holder (which
+            # finds its own mean non-finite) ends the call first: either way no mean is taken.
+            assert res_recv.outcome == "failed" and res_recv.mean is None, res_recv
+            assert res_recv.reason in ("nonfinite", "partner_error"), res_recv.reason
+            assert receiver.rejects == (["nonfinite"] if res_recv.reason == "nonfinite" else [])
             assert res_send.outcome == "failed" and res_send.mean is None  # no ack from the receiver
+            assert res_send.reason.startswith("local_nonfinite") or res_send.reason == "partner_error", res_send
         finally:
             await stop_all(ws)
 

@@ -302,8 +302,8 @@ def test_unknown_section_refused_with_closest_name(tmp_path):
     msg = str(ei.value)
     assert "nolocoo" in msg and "unknown key" in msg and "did you mean 'noloco'?" in msg
     with pytest.raises(ConfigError) as ei:     # a role that is not installed has no section either
-        load_config(None, {"stage": {"index": 1}}, environ={})
-    assert "stage: unknown key" in str(ei.value)
+        load_config(None, {"trainer": {"index": 1}}, environ={})
+    assert "trainer: unknown key" in str(ei.value)
 
 
 def test_unknown_nested_key_suggests_closest():

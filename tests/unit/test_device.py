@@ -326,3 +326,52 @@ def test_recorder_sees_cuda_probes():
     with nd.cuda_calls_recorded() as calls:
         resolve_device(DeviceConfig(device="cpu"))
     assert calls == []
+
+
+# ---- the noloco role's placement helpers on the CPU ---------------------------------------------
+def _bare_role(outer_state: str = "device"):
+    """A NoLoCoRole with just the state its placement helpers read (no DHT, no gRPC)."""
+    from optimizers.config import NoLoCoConfig
+    from optimizers.noloco_role import NoLoCoRole
+
+    role = NoLoCoRole.__new__(NoLoCoRole)
+    model = _tiny()
+    role.cfg = NoLoCoConfig(outer_state_device=outer_state)
+    role.model, role.names = model, [n for n, _ in model.named_parameters()]
+    role.params = [p for _, p in model.named_parameters()]
+    role.device = CPU
+    role.outer_device = outer_state_device(outer_state, CPU)
+    role.pool, role._sends, role.round = PinnedPool(pin=False), 0, 0
+    role.outer = role._make_outer()
+    return role
+
+
+@pytest.mark.parametrize("outer_state", ["device", "host"])
+def test_role_on_cpu_sends_fresh_copies_and_steps_like_the_outer_optimizer(outer_state):
+    from optimizers.noloco import NoLoCoOuter
+
+    role = _bare_role(outer_state)
+    ref = NoLoCoOuter([p.detach() for p in role.params])
+    with torch.no_grad():
+        for p in role.params:
+            p.add_(0.01)
+    sent = role._outgoing()
+    assert len(role.pool) == 0  # CPU: no staging buffers, the outer optimizer's own copies
+    assert all(s.data_ptr() != p.data_ptr() and torch.equal(s, p) for s, p in zip(sent, role.params))
+    mean = [s + 0.001 for s in sent]  # a partner's theta, averaged
+    theta = [p.detach().clone() for p in role.params]
+    norm, spread = role._outer_step(mean, 2, sent)
+    want = ref.outer_step(theta, mean, n=2)
+    for p, w in zip(role.params, want):
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
+    assert norm > 0 and spread == pytest.approx(0.001, rel=1e-3)
+    assert all(t.device == CPU and t.dtype == torch.float32 for t in role.outer.phi + role.outer.m)
+
+
+def test_role_snapshot_is_a_host_copy_not_the_live_phi():
+    role = _bare_role()
+    snap = role._snapshot_now()
+    assert snap.meta == {"round": 0}
+    for n, phi in zip(role.names, role.outer.phi):
+        t = snap.weights[n]
+        assert t.device == CPU and t.dtype == torch.float32 and t.data_ptr() != phi.data_ptr() and torch.equal(t, phi)

@@ -1,0 +1,212 @@
+"""The SkipPipe coordinator: the `Schedule` gRPC service the bootstrap hosts for the `stage` role.
+
+Owns planning from the swarm's state and publishing the result (pipeline.md §2.3): every second
+it reads the run's node cards, takes the `stage` nodes that are not draining (their `stage`,
+`memory` and `compute_ms` card details), and when that membership changed and then stayed put
+for `schedule.settle_s` (and every stage has a node, and at least `schedule.expect_nodes` are
+present) it builds the cost model (per-node compute; links from this node's `[netem]` matrix,
+links or default, keyed by gRPC address or peer ID, else `schedule.default_latency_ms`),
+plans with `pipeline.search.plan` off the event loop, validates the schedule and publishes it
+with the next epoch. `Schedule.Get` answers one epoch (0 = latest), `Schedule.Watch` streams
+every new one. Stage nodes validate again before use. The planning itself is pure
+(pipeline/search.py); this module is its glue to cards and gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import grpc
+
+from node.card import CardView, card_int, read_cards
+from node.netem import LinkSpec, NetemConfig
+from pipeline.cluster import Cluster, comm_matrix
+from pipeline.config import ScheduleConfig
+from pipeline.schedule import Schedule, ScheduleViolation, validate_schedule
+from pipeline.search import plan
+from protocol import pipeline_pb2, pipeline_pb2_grpc
+
+log = logging.getLogger("swarmnode.pipeline.coordinator")
+
+KEEP_EPOCHS = 8
+"""Schedules kept for `Get(epoch)` (nodes finishing an iteration on an older epoch)."""
+
+STAGE_ROLE = "stage"
+
+
+def stage_members(views: list[CardView], stages: int) -> list[tuple]:
+    """The stage nodes a schedule is planned over, sorted by (stage, peer ID): tuples
+    (peer_id, stage, grpc_addr, memory or None, compute_ms or None)."""
+    out = []
+    for v in views:
+        if v.card.role != STAGE_ROLE or v.card.state not in ("joining", "ready"):
+            continue
+        s = card_int(v, "stage")
+        if s is None or s >= stages:
+            continue
+        out.append((v.peer_id, s, v.card.grpc_addr, card_int(v, "memory"), card_int(v, "compute_ms")))
+    return sorted(out, key=lambda m: (m[1], m[0]))
+
+
+def _link(netem: NetemConfig, src: tuple, dst: tuple) -> LinkSpec | None:
+    """The emulated link src -> dst from a `[netem]` config, by address or peer ID."""
+    if netem.matrix is not None:
+        for a, b in ((src[2], dst[2]), (src[0], dst[0])):
+            link = netem.matrix.link(a, b)
+            if link is not None:
+                return link
+    for key in (dst[2], dst[0]):
+        if key in netem.links:
+            return netem.links[key]
+    return netem.default
+
+
+def build_cluster(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, activation_bytes: int) -> Cluster:
+    """Cost model over `members`: compute from cards (else `compute_s`), memory from cards (else
+    `memory`), send costs from the netem description (else `default_latency_ms`)."""
+    n = len(members)
+    lat = [[0.0] * n for _ in range(n)]
+    bw: list[list[float | None]] = [[None] * n for _ in range(n)]
+    for i, a in enumerate(members):
+        for j, b in enumerate(members):
+            if i == j:
+                continue
+            link = _link(netem, a, b)
+            if link is None:
+                lat[i][j] = cfg.default_latency_ms / 1000
+            else:
+                lat[i][j] = link.latency_ms / 1000
+                bw[i][j] = None if link.bandwidth_mbps is None else link.bandwidth_mbps * 1e6 / 8
+    return Cluster(compute=[(m[4] / 1000 if m[4] else cfg.compute_s) for m in members],
+                   comm=comm_matrix(lat, bw, activation_bytes),
+                   memory=[m[3] or cfg.memory for m in members], names=[m[0] for m in members])
+
+
+def plan_for(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, activation_bytes: int,
+             epoch: int) -> Schedule:
+    """A validated schedule over `members` (pure; runs in a worker thread)."""
+    cluster = build_cluster(members, cfg, netem, activation_bytes)
+    partition = tuple(tuple(i for i, m in enumerate(members) if m[1] == s) for s in range(cfg.stages))
+    sched = plan(cluster, partition, cfg.rules(), cfg.mb_per_origin, method=cfg.method, seed=cfg.seed,
+                 time_budget_s=cfg.time_budget_s, epoch=epoch)
+    return validate_schedule(sched, cluster)
+
+
+class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
+    """The bootstrap's schedule service (one per bootstrap node)."""
+
+    def __init__(self, ctx: Any, cfg: ScheduleConfig, activation_bytes: int, poll_s: float = 1.0):
+        self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
+        self.epoch = 0
+        self.replies: OrderedDict[int, pipeline_pb2.ScheduleReply] = OrderedDict()
+        self.waiting_reason = "no stage node has published its card yet"
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="schedule_planner")
+
+    async def _loop(self) -> None:
+        planned: list | None = None
+        seen, since = None, 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
+                members = stage_members(views, self.cfg.stages)
+            except Exception as exc:  # noqa: BLE001 - the next poll retries
+                log.debug("reading cards failed: %r", exc)
+                await asyncio.sleep(self.poll_s)
+                continue
+            if members != seen:
+                seen, since = members, loop.time()
+            missing = [s for s in range(self.cfg.stages) if not any(m[1] == s for m in members)]
+            if missing:
+                self.waiting_reason = f"stages {missing} have no node yet ({len(members)} stage nodes seen)"
+            elif len(members) < self.cfg.expect_nodes:
+                self.waiting_reason = f"{len(members)} of the {self.cfg.expect_nodes} expected stage nodes are up"
+            elif members != planned and loop.time() - since >= self.cfg.settle_s:
+                await self._plan(members)
+                planned = members
+            await asyncio.sleep(self.poll_s)
+
+    async def _plan(self, members: list[tuple]) -> None:
+        epoch = self.epoch + 1
+        try:
+            sched = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
+                                            self.activation_bytes, epoch)
+        except ScheduleViolation as exc:
+            self.waiting_reason = f"planning failed: {exc}"
+            log.error("no schedule for %d stage nodes: %s", len(members), exc,
+                      extra={"event": "schedule_failed", "rule": exc.rule})
+            return
+        body = sched.to_json()
+        reply = pipeline_pb2.ScheduleReply(epoch=epoch, schedule_json=body,
+                                           sha256=hashlib.sha256(body.encode()).hexdigest(),
+                                           addrs={m[0]: m[2] for m in members})
+        async with self._changed:
+            self.epoch = epoch
+            self.replies[epoch] = reply
+            while len(self.replies) > KEEP_EPOCHS:
+                self.replies.popitem(last=False)
+            self._changed.notify_all()
+        log.info("schedule epoch %d: %d nodes, %d paths, predicted %.3f s per iteration (%s)", epoch,
+                 len(members), len(sched.paths), sched.expected_makespan, sched.method,
+                 extra={"event": "schedule_published", "epoch": epoch, "nodes": len(members),
+                        "expected_makespan": sched.expected_makespan, "method": sched.method,
+                        "sha256": reply.sha256})
+
+    async def _check_run(self, request, context) -> None:
+        self._ensure_started()
+        if request.run_id and request.run_id != self.ctx.config.run_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this coordinator serves run {self.ctx.config.run_id!r}, not {request.run_id!r}")
+
+    async def Get(self, request, context):  # noqa: N802 - gRPC API
+        await self._check_run(request, context)
+        reply = self.replies.get(request.epoch or self.epoch)
+        if reply is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no schedule epoch {request.epoch or 'latest'} here: {self.waiting_reason}"
+                                if not request.epoch or request.epoch > self.epoch else
+                                f"epoch {request.epoch} is no longer kept (latest {self.epoch})")
+        return reply
+
+    async def Watch(self, request, context):  # noqa: N802 - gRPC API
+        await self._check_run(request, context)
+        sent = 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.epoch > sent)
+                reply = self.replies[self.epoch]
+            sent = reply.epoch
+            yield reply
+
+
+async def fetch_schedule(channel: grpc.aio.Channel, run_id: str, epoch: int = 0,
+                         timeout: float = 5.0) -> tuple[Schedule, dict[str, str]]:
+    """`Schedule.Get` + parse + validate (raises ScheduleViolation naming the rule, grpc errors)."""
+    stub = pipeline_pb2_grpc.ScheduleStub(channel)
+    reply = await stub.Get(pipeline_pb2.GetScheduleRequest(run_id=run_id, epoch=epoch), timeout=timeout)
+    return parse_reply(reply)
+
+
+def parse_reply(reply: pipeline_pb2.ScheduleReply) -> tuple[Schedule, dict[str, str]]:
+    """The schedule of a reply, checked against its sha256 and validated before use."""
+    if hashlib.sha256(reply.schedule_json.encode()).hexdigest() != reply.sha256:
+        raise ScheduleViolation("STRUCT", "schedule body does not match its sha256")
+    sched = validate_schedule(Schedule.from_json(reply.schedule_json))
+    if sched.epoch != reply.epoch:
+        raise ScheduleViolation("STRUCT", f"schedule body says epoch {sched.epoch}, reply {reply.epoch}")
+    missing = [n for n in sched.names if n not in reply.addrs]
+    if missing or len(sched.names) != sum(len(g) for g in sched.partitions):
+        raise ScheduleViolation("STRUCT", f"schedule names nodes without an address: {missing[:3]}")
+    return sched, dict(reply.addrs)
+
+
+__all__ = ["ScheduleCoordinator", "build_cluster", "fetch_schedule", "parse_reply", "plan_for", "stage_members"]

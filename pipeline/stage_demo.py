@@ -1,0 +1,50 @@
+"""What ``swarmnode demo --role stage`` needs to know about the stage role (entry point ``swarmnode.demos``).
+
+Owns the pipeline demo's defaults: 3 data nodes (stage 0) and 3 transformer stages x 2 replicas
+on 127.0.0.1, a tiny byte-level model cut into 4 stages, skip ratio 1/3 (each microbatch visits
+2 of the 3 transformer stages), which stage each worker serves, and which log event carries a
+node's exact final figures. Imported by the demo *parent* process: standard library only. The
+contract every demo module follows is in ``node/demo.py``.
+"""
+
+from __future__ import annotations
+
+DEFAULT_STEPS = 20
+"""Pipeline iterations when ``swarmnode demo --role stage`` gets no ``--steps``."""
+
+DEFAULT_NODES = 9
+"""Stage nodes besides the bootstrap: 3 data nodes + 3 stages x 2 replicas. The coordinator
+waits for this many stage nodes (``schedule.expect_nodes``): with another ``--nodes`` pass
+``--set schedule.expect_nodes=N`` too (workers past the layout repeat it)."""
+
+LAYOUT = (0, 0, 0, 1, 1, 2, 2, 3, 3)
+"""Stage index of worker i (i >= 9 repeats the layout)."""
+
+
+def node_settings(steps: int, nodes: int = DEFAULT_NODES) -> list[str]:
+    """``--set`` overrides every node gets, the bootstrap (coordinator) included."""
+    return ["schedule.stages=4", "schedule.skip_ratio=0.3333333333333333", "schedule.mb_per_origin=3",
+            "schedule.memory=3", f"schedule.expect_nodes={nodes}", "schedule.settle_s=1.0",
+            "schedule.time_budget_s=3.0", "model.d_model=32", "model.n_layers=3", "model.n_heads=2",
+            "model.max_seq_len=32", "data.seq_len=32", "data.batch_size=4", "data.max_train_bytes=400000",
+            "data.max_val_bytes=40000", "stage.torch_threads=1", f"stage.iterations={steps}", "stage.eval_every=5",
+            "stage.lr=0.003"]
+
+
+def worker_settings(i: int) -> list[str]:
+    """The stage worker i serves."""
+    return [f"stage.index={LAYOUT[i % len(LAYOUT)]}"]
+
+
+FINISHED_EVENT = "training_finished"
+"""The log event a node writes once, with its exact final figures, when the run ends."""
+
+FINISHED_FIELDS = {
+    "steps": "iterations", "iterations": "iterations",
+    "loss_start": "train_loss_start", "loss": "train_loss_end",
+    "eval_loss_start": "eval_loss_start", "eval_loss": "eval_loss_end",
+}
+"""Progress-row key -> field of the ``FINISHED_EVENT`` record that holds its final value."""
+
+SUMMARY_KEYS = ("iterations",)
+"""Row keys whose mean over nodes ``--json`` adds to the summary."""

@@ -1,0 +1,530 @@
+"""What one `stage` node does with a microbatch: the transport-free SkipPipe executor (pipeline.md §2.5).
+
+Owns the per-iteration state of one node: the memory window (at most `memory` microbatches in
+flight, later forwards deferred), source routing by (path ID, hop) against the iteration's
+schedule, the predecessor each gradient goes back to, visit counts, the end-of-iteration
+barrier, the replica gradient exchange (visit-normalised: the stage gradient is the mean over
+the microbatches that visited the stage, whichever replica they visited) and the single
+clipped optimizer step per iteration; on stage-0 nodes also the data, embedding, head, loss
+and the in-order validation pass. Torch only: messages come in as `Msg` and go out as `Out`;
+pipeline/stage_role.py moves them over open tensor streams. Bad input raises `BadInput`
+(answered with an error by the caller); stale, duplicate or unroutable messages are dropped
+and counted in `dropped`.
+
+Message kinds (meta values are ints; `it` iteration, `ep` schedule epoch):
+- ``fwd``  activation; `p` path ID, `h` the receiver's hop (len(path) = back at the origin)
+- ``bwd``  gradient of that activation; `h` the receiver's hop (0 = the origin)
+- ``eoi``  an origin finished all its microbatches of `it`
+- ``grad`` a replica's flat gradient sum of `it` with its visit count `v` (and `ne`, the newest
+  schedule epoch it knows: stage 0 starts the next iteration on the largest)
+- ``ev``   validation activation along the full in-order path (`e` batch, `h` position; no
+  graph), tagged with the step count `it` whose weights it must see
+- ``fin``  the run is over (sent by the evaluating origin after the final validation)
+
+Messages of a later iteration are kept until this node gets there; of an earlier one dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from models.llama import lm_loss
+from node.averaging import mean_of
+from pipeline.schedule import Schedule
+
+FUTURE_ITERATIONS = 2
+"""Messages at most this many iterations ahead are kept for later; further ones are dropped."""
+
+
+class BadInput(ValueError):
+    """A message this node cannot use (wrong shape, wrong size); `reason` is a short label."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class Msg:
+    kind: str
+    sender: str
+    meta: dict[str, int]
+    tensor: Tensor | None = None
+
+
+@dataclass
+class Out:
+    dest: str
+    kind: str
+    meta: dict[str, int]
+    tensor: Tensor
+
+
+@dataclass
+class StepResult:
+    iteration: int
+    visits: int
+    total_visits: int
+    grad_norm: float
+    weights_sha256: str
+    loss: float | None
+    next_epoch: int
+
+
+@dataclass
+class EvalResult:
+    iteration: int
+    loss: float
+
+
+@dataclass
+class _Iter:
+    epoch: int | None = None
+    inflight: dict[int, dict] = field(default_factory=dict)
+    deferred: deque = field(default_factory=deque)
+    finished: set[int] = field(default_factory=set)
+    eoi: set[int] = field(default_factory=set)
+    visits: int = 0
+    grads: dict[str, tuple[int, Tensor, int]] = field(default_factory=dict)
+    grads_sent: bool = False
+    # originator
+    seqs: deque = field(default_factory=deque)
+    n_mine: int = 0
+    done: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+def weights_sha256(module: nn.Module) -> str:
+    """sha256 over the fp32 parameters in name order (replicas compare it after every step)."""
+    h = hashlib.sha256()
+    for name, p in module.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _e(v: int) -> Tensor:
+    return torch.zeros(1)
+
+
+class StageExecutor:
+    """One node's executor. `module` is models.stages.Stage0 (stage 0) or TransformerStage.
+
+    `data()` (stage 0) returns the next training (tokens, targets); `eval_data` are the fixed
+    validation batches (used by the origin that validates). `delay(kind)` (optional) is called
+    before each forward/backward/loss compute to emulate a slower device."""
+
+    def __init__(self, me: str, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 memory: int, clip: float = 1.0, data: Callable[[], tuple[Tensor, Tensor]] | None = None,
+                 eval_data: list[tuple[Tensor, Tensor]] | None = None,
+                 delay: Callable[[str], None] | None = None, device: torch.device | str = "cpu"):
+        if memory < 1:
+            raise ValueError(f"memory={memory}: a node needs at least one microbatch slot")
+        self.me, self.stage, self.module, self.opt = me, stage, module, optimizer
+        self.memory, self.clip, self.data, self.eval_data = memory, clip, data, eval_data or []
+        self.delay = delay or (lambda kind: None)
+        self.device = torch.device(device)
+        self.params = [p for _, p in module.named_parameters()]
+        self.schedules: dict[int, Schedule] = {}
+        self.epoch = 0                   # epoch this origin uses for its next iteration
+        self.latest_epoch = 0            # newest epoch the role knows of
+        self.iteration = 0               # = optimizer steps taken
+        self._it: dict[int, _Iter] = {}
+        self._future: list[Msg] = []
+        self.dropped: Counter = Counter()
+        self.deferred_total = 0
+        self.microbatches: Counter = Counter()   # direction -> count
+        self.events: list = []
+        self.finished = False
+        # validation (origin only)
+        self._eval: dict | None = None
+
+    # ------------------------------------------------------------------ schedules
+    def add_schedule(self, schedule: Schedule) -> None:
+        """Register a validated schedule (the role validates before calling)."""
+        self.schedules[schedule.epoch] = schedule
+        self.latest_epoch = max(self.latest_epoch, schedule.epoch)
+        if self.iteration == 0 and not self._it:   # before training: start on the newest
+            self.epoch = self.latest_epoch
+
+    def _sched(self, ep: int) -> Schedule | None:
+        return self.schedules.get(ep)
+
+    def _idx(self, sched: Schedule, name: str) -> int | None:
+        try:
+            return sched.names.index(name)
+        except ValueError:
+            return None
+
+    def _state(self, it: int) -> _Iter:
+        st = self._it.get(it)
+        if st is None:
+            st = self._it[it] = _Iter()
+        return st
+
+    @property
+    def in_flight(self) -> int:
+        st = self._it.get(self.iteration)
+        return len(st.inflight) if st else 0
+
+    def waiting_for(self) -> str:
+        """What the current iteration still waits for (for the stuck-iteration log)."""
+        st = self._it.get(self.iteration)
+        if st is None:
+            return "no message of this iteration yet"
+        sched = self._sched(st.epoch) if st.epoch is not None else None
+        eoi = sorted(set(sched.origins) - st.eoi) if sched else "?"
+        return (f"in flight {sorted(st.inflight)}, deferred {len(st.deferred)}, eoi missing from origins {eoi}, "
+                f"replica grads from {sorted(st.grads)}")
+
+    # ------------------------------------------------------------------ origin side
+    def is_origin(self, sched: Schedule) -> bool:
+        i = self._idx(sched, self.me)
+        return i is not None and i in sched.origins
+
+    def start_iteration(self) -> list[Out]:
+        """Stage 0: start the current iteration's microbatches (up to `memory` at once)."""
+        sched = self._sched(self.epoch)
+        if sched is None:
+            raise RuntimeError(f"no schedule for epoch {self.epoch}; add_schedule first")
+        me = self._idx(sched, self.me)
+        if me is None or me not in sched.origins:
+            raise RuntimeError("start_iteration on a node that is not a stage-0 originator of the schedule")
+        st = self._state(self.iteration)
+        if st.epoch is not None and st.epoch != self.epoch:
+            raise RuntimeError(f"iteration {self.iteration} already runs on epoch {st.epoch}")
+        st.epoch = self.epoch
+        ids = sched.path_ids(me)
+        st.seqs, st.n_mine = deque(range(len(ids))), len(ids)
+        outs: list[Out] = []
+        while st.seqs and len(st.inflight) < self.memory:
+            outs += self._launch(st, sched, me)
+        outs += self._maybe_aggregate(st)
+        return outs
+
+    def _launch(self, st: _Iter, sched: Schedule, me: int) -> list[Out]:
+        seq = st.seqs.popleft()
+        pid = sched.path_id(me, seq)
+        tokens, targets = (t.to(self.device) for t in self.data())
+        self.delay("forward")
+        h_out = self.module.embed_forward(tokens)
+        st.inflight[pid] = {"h_out": h_out, "targets": targets, "phase": "out", "seq": seq}
+        self.microbatches["forward"] += 1
+        meta = {"it": self.iteration, "ep": st.epoch, "p": pid, "h": 1, "o": me, "q": seq}
+        return [Out(sched.names[sched.successor(pid, 0)], "fwd", meta, h_out.detach())]
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, msg: Msg) -> list[Out]:
+        """Process one message; returns what to send. Raises BadInput for unusable tensors."""
+        it = msg.meta.get("it")
+        if msg.kind == "fin":
+            self.finished = True
+            self.events.append("fin")
+            return []
+        if it is None or msg.kind not in ("fwd", "bwd", "eoi", "grad", "ev"):
+            self.dropped["malformed"] += 1
+            return []
+        if it < self.iteration:
+            self.dropped["stale_iteration"] += 1
+            return []
+        if it > self.iteration:
+            if it > self.iteration + FUTURE_ITERATIONS:
+                self.dropped["future_iteration"] += 1
+            else:
+                self._future.append(msg)
+            return []
+        sched = self._sched(msg.meta.get("ep", -1))
+        if sched is None:
+            self.dropped["unknown_epoch"] += 1
+            return []
+        sender = self._idx(sched, msg.sender)
+        me = self._idx(sched, self.me)
+        if sender is None or me is None:
+            self.dropped["not_in_schedule"] += 1
+            return []
+        if msg.kind == "ev":
+            return self._on_eval(sched, msg, sender, me)
+        st = self._state(it)
+        if st.epoch is None:
+            st.epoch = sched.epoch
+        elif st.epoch != sched.epoch:
+            self.dropped["epoch_mismatch"] += 1
+            return []
+        if msg.kind == "fwd":
+            outs = self._on_forward(st, sched, msg, sender, me)
+        elif msg.kind == "bwd":
+            outs = self._on_backward(st, sched, msg, sender, me)
+        elif msg.kind == "eoi":
+            o = msg.meta.get("o")
+            if o != sender or o not in sched.origins:
+                self.dropped["unknown_origin"] += 1
+                return []
+            st.eoi.add(o)
+            outs = []
+        else:
+            outs = self._on_grad(st, sched, msg)
+        return outs + self._maybe_aggregate(st)
+
+    def _route(self, sched: Schedule, msg: Msg, sender: int, me: int) -> tuple[int, int, tuple] | None:
+        p, h = msg.meta.get("p", -1), msg.meta.get("h", -1)
+        if not 0 <= p < len(sched.paths):
+            return None
+        path = sched.paths[p]
+        if msg.kind == "fwd":
+            if 1 <= h < len(path):
+                ok = path[h] == me and path[h - 1] == sender
+            else:
+                ok = h == len(path) and path[0] == me and path[-1] == sender
+        else:  # bwd: from the node after me
+            ok = 0 <= h < len(path) and path[h] == me and sched.successor(p, h) == sender
+        if not ok or msg.meta.get("o", path[0]) != path[0]:
+            return None
+        return p, h, path
+
+    def _on_forward(self, st: _Iter, sched: Schedule, msg: Msg, sender: int, me: int) -> list[Out]:
+        r = self._route(sched, msg, sender, me)
+        if r is None:
+            self.dropped["unknown_path"] += 1
+            return []
+        p, h, path = r
+        if h == len(path):                      # back at the origin: head, loss, backward
+            e = st.inflight.get(p)
+            if e is None or e["phase"] != "out":
+                self.dropped["duplicate"] += 1
+                return []
+            h_in = self._hidden(msg.tensor, e["h_out"].shape).requires_grad_()
+            self.delay("loss")
+            try:
+                logits = self.module.head_forward(h_in)
+            except ValueError as exc:
+                raise BadInput("shape", str(exc)) from None
+            loss = lm_loss(logits, e["targets"])
+            loss.backward()
+            st.losses.append(float(loss.detach()))
+            e["phase"] = "back"
+            self.microbatches["backward"] += 1
+            meta = {"it": self.iteration, "ep": st.epoch, "p": p, "h": len(path) - 1, "o": path[0]}
+            return [Out(sched.names[path[-1]], "bwd", meta, h_in.grad.detach())]
+        if p in st.inflight or p in st.finished or any(d.meta.get("p") == p for d in st.deferred):
+            self.dropped["duplicate"] += 1
+            return []
+        if msg.tensor is None:
+            raise BadInput("malformed", "a forward without an activation tensor")
+        if len(st.inflight) >= self.memory:    # TC1: no free slot -> defer
+            st.deferred.append(msg)
+            self.deferred_total += 1
+            return []
+        return self._compute_forward(st, sched, msg, p, h, sender)
+
+    def _hidden(self, t: Tensor | None, like=None) -> Tensor:
+        if t is None or not t.is_floating_point() or t.dim() != 3 or (like is not None and tuple(t.shape) != tuple(like)):
+            shape = None if t is None else tuple(t.shape)
+            raise BadInput("shape", f"activation of shape {shape} where {tuple(like) if like else '[B, T, d]'} "
+                                    "was expected: the sender runs a different model config or stage split")
+        return t.detach().to(self.device, torch.float32)
+
+    def _compute_forward(self, st: _Iter, sched: Schedule, msg: Msg, p: int, h: int, sender: int) -> list[Out]:
+        x = self._hidden(msg.tensor).requires_grad_()
+        self.delay("forward")
+        try:
+            y = self.module(x)
+        except ValueError as exc:
+            raise BadInput("shape", str(exc)) from None
+        st.inflight[p] = {"x": x, "y": y, "pred": sender}
+        self.microbatches["forward"] += 1
+        meta = {"it": self.iteration, "ep": st.epoch, "p": p, "h": h + 1, "o": sched.paths[p][0]}
+        return [Out(sched.names[sched.successor(p, h)], "fwd", meta, y.detach())]
+
+    def _on_backward(self, st: _Iter, sched: Schedule, msg: Msg, sender: int, me: int) -> list[Out]:
+        r = self._route(sched, msg, sender, me)
+        if r is None:
+            self.dropped["unknown_path"] += 1
+            return []
+        p, h, path = r
+        e = st.inflight.get(p)
+        if e is None or (h == 0 and e.get("phase") != "back"):
+            self.dropped["duplicate"] += 1
+            return []
+        out_t = e["h_out"] if h == 0 else e["y"]
+        g = self._hidden(msg.tensor, out_t.shape)
+        self.delay("backward")
+        out_t.backward(g)
+        del st.inflight[p]
+        st.finished.add(p)
+        st.visits += 1
+        self.microbatches["backward"] += 1
+        outs: list[Out] = []
+        if h > 0:
+            meta = {"it": self.iteration, "ep": st.epoch, "p": p, "h": h - 1, "o": path[0]}
+            outs.append(Out(sched.names[e["pred"]], "bwd", meta, e["x"].grad.detach()))
+            while st.deferred and len(st.inflight) < self.memory:
+                d = st.deferred.popleft()
+                dr = self._route(sched, d, self._idx(sched, d.sender), me)
+                outs += self._compute_forward(st, sched, d, dr[0], dr[1], self._idx(sched, d.sender))
+        else:
+            st.done += 1
+            while st.seqs and len(st.inflight) < self.memory:
+                outs += self._launch(st, sched, me)
+            if st.done == st.n_mine:
+                st.eoi.add(me)
+                meta = {"it": self.iteration, "ep": st.epoch, "o": me}
+                outs += [Out(sched.names[x], "eoi", meta, _e(0)) for g in sched.partitions for x in g if x != me]
+        return outs
+
+    # ------------------------------------------------------------------ aggregation
+    def _flat_grads(self) -> Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+                          for p in self.params]).cpu()
+
+    def _replicas(self, sched: Schedule) -> list[str]:
+        return [sched.names[x] for x in sched.partitions[self.stage]]
+
+    def _maybe_aggregate(self, st: _Iter) -> list[Out]:
+        if st.grads_sent or st.epoch is None:
+            return []
+        sched = self._sched(st.epoch)
+        if set(sched.origins) - st.eoi or st.inflight or st.deferred:
+            return []
+        me = self._idx(sched, self.me)
+        if sched.stage_of(me) != self.stage:
+            raise RuntimeError(f"the schedule puts this node in stage {sched.stage_of(me)}, it holds stage "
+                               f"{self.stage}")
+        st.grads_sent = True
+        flat = self._flat_grads()
+        st.grads[self.me] = (st.visits, flat, self.latest_epoch)
+        meta = {"it": self.iteration, "ep": st.epoch, "v": st.visits, "ne": self.latest_epoch}
+        outs = [Out(r, "grad", meta, flat) for r in self._replicas(sched) if r != self.me]
+        return outs + self._maybe_step(st, sched)
+
+    def _on_grad(self, st: _Iter, sched: Schedule, msg: Msg) -> list[Out]:
+        if msg.sender not in self._replicas(sched) or msg.sender == self.me:
+            self.dropped["not_a_replica"] += 1
+            return []
+        if msg.sender in st.grads and msg.sender != self.me:
+            self.dropped["duplicate"] += 1
+            return []
+        n = sum(p.numel() for p in self.params)
+        t = msg.tensor
+        if t is None or t.dim() != 1 or t.numel() != n or t.dtype != torch.float32:
+            raise BadInput("shape", f"replica gradient of shape {None if t is None else tuple(t.shape)} where "
+                                    f"[{n}] fp32 was expected: the replica runs a different stage split")
+        v = msg.meta.get("v", -1)
+        if v < 0:
+            raise BadInput("malformed", f"replica gradient with visit count {v}")
+        st.grads[msg.sender] = (v, t, msg.meta.get("ne", 0))
+        return self._maybe_step(st, sched) if st.grads_sent else []
+
+    def _maybe_step(self, st: _Iter, sched: Schedule) -> list[Out]:
+        if set(st.grads) != set(self._replicas(sched)):
+            return []
+        order = sorted(st.grads)
+        total = sum(st.grads[r][0] for r in order)
+        mean, finite = mean_of([[st.grads[r][1]] for r in order])
+        flat = mean[0]
+        if total > 0:
+            flat = flat * (len(order) / total)       # sum / visits: the mean over visiting microbatches
+        norm = float("nan")
+        if finite and total > 0:
+            off = 0
+            for p in self.params:
+                k = p.numel()
+                p.grad = flat[off:off + k].view_as(p).to(p.device, p.dtype).clone()
+                off += k
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip))
+            self.opt.step()                          # exactly once per iteration
+        else:
+            self.dropped["nonfinite_grad" if not finite else "no_visits"] += 1
+        self.opt.zero_grad(set_to_none=True)
+        loss = sum(st.losses) / len(st.losses) if st.losses else None
+        next_epoch = max(st.grads[r][2] for r in order)
+        res = StepResult(self.iteration, st.visits, total, norm, weights_sha256(self.module), loss, next_epoch)
+        del self._it[self.iteration]
+        self.iteration += 1
+        self.epoch = max(self.epoch, next_epoch) if next_epoch in self.schedules else self.epoch
+        self.events.append(res)
+        return self._replay()
+
+    def _replay(self) -> list[Out]:
+        ready = [m for m in self._future if m.meta.get("it") == self.iteration]
+        self._future = [m for m in self._future if m.meta.get("it") != self.iteration]
+        outs: list[Out] = []
+        for m in ready:
+            try:
+                outs += self.handle(m)
+            except BadInput:
+                self.dropped["bad_input"] += 1
+        return outs
+
+    # ------------------------------------------------------------------ validation
+    def start_eval(self) -> list[Out]:
+        """Origin: validate the full in-order model (weights after `iteration` steps)."""
+        sched = self._sched(self.epoch)
+        me = self._idx(sched, self.me)
+        if not self.eval_data:
+            raise RuntimeError("no validation batches on this node")
+        self._eval = {"it": self.iteration, "i": 0, "total": 0.0, "count": 0, "ep": sched.epoch, "o": me}
+        return self._eval_send(sched)
+
+    def _eval_send(self, sched: Schedule) -> list[Out]:
+        ev = self._eval
+        x, _ = self.eval_data[ev["i"]]
+        with torch.no_grad():
+            h = self.module.embed_forward(x.to(self.device))
+        meta = {"it": ev["it"], "ep": ev["ep"], "e": ev["i"], "h": 1, "o": ev["o"]}
+        return [Out(sched.names[sched.partitions[1][0]], "ev", meta, h)]
+
+    def _on_eval(self, sched: Schedule, msg: Msg, sender: int, me: int) -> list[Out]:
+        h, S = msg.meta.get("h", -1), len(sched.partitions)
+        if h == S:                               # back at the origin
+            ev = self._eval
+            if ev is None or msg.meta.get("o") != me or msg.meta.get("e") != ev["i"] \
+                    or sched.partitions[S - 1][0] != sender:
+                self.dropped["unknown_path"] += 1
+                return []
+            x, y = self.eval_data[ev["i"]]
+            with torch.no_grad():
+                try:
+                    logits = self.module.head_forward(self._hidden(msg.tensor))
+                except ValueError as exc:
+                    raise BadInput("shape", str(exc)) from None
+                loss = lm_loss(logits, y.to(self.device))
+            ev["total"] += float(loss) * y.numel()
+            ev["count"] += y.numel()
+            ev["i"] += 1
+            if ev["i"] < len(self.eval_data):
+                return self._eval_send(sched)
+            self.events.append(EvalResult(ev["it"], ev["total"] / ev["count"]))
+            self._eval = None
+            return []
+        expected = msg.meta.get("o", -1) if h == 1 else (sched.partitions[h - 1][0] if 1 < h < S else -1)
+        if not 1 <= h < S or sched.partitions[h][0] != me or sender != expected or expected not in \
+                (sched.origins if h == 1 else sched.partitions[h - 1]):
+            self.dropped["unknown_path"] += 1
+            return []
+        with torch.no_grad():
+            try:
+                y = self.module(self._hidden(msg.tensor))
+            except ValueError as exc:
+                raise BadInput("shape", str(exc)) from None
+        nxt = sched.partitions[h + 1][0] if h + 1 < S else msg.meta.get("o", -1)
+        if not (h + 1 < S or nxt in sched.origins):
+            self.dropped["unknown_origin"] += 1
+            return []
+        meta = dict(msg.meta, h=h + 1)
+        return [Out(sched.names[nxt], "ev", meta, y)]
+
+    def fin_messages(self) -> list[Out]:
+        """Origin: tell every node of the schedule that the run is over."""
+        sched = self._sched(self.epoch)
+        me = self._idx(sched, self.me)
+        return [Out(sched.names[x], "fin", {"it": self.iteration, "ep": sched.epoch}, _e(0))
+                for g in sched.partitions for x in g if x != me]
+
+
+__all__ = ["BadInput", "EvalResult", "Msg", "Out", "StageExecutor", "StepResult", "weights_sha256"]

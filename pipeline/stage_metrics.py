@@ -1,0 +1,30 @@
+"""Prometheus series of the `stage` role (pipeline.md §5 Metrics).
+
+Only the pipeline series live here; the series every training role shares (train loss and
+steps, eval loss, rejections) are in node/metrics.py. Declared once on the node's registry.
+"""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from node.metrics import REGISTRY
+
+MICROBATCHES = Counter("swarmnode_pipeline_microbatches_total",
+                       "Microbatch computes on this node by direction (forward / backward).", ["direction"],
+                       registry=REGISTRY)
+ITERATION_SECONDS = Histogram("swarmnode_pipeline_iteration_seconds", "Wall seconds per pipeline iteration.",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=REGISTRY)
+IDLE_SECONDS = Counter("swarmnode_pipeline_idle_seconds_total",
+                       "Seconds this node waited for a message while an iteration was open.", registry=REGISTRY)
+IDLE_FRACTION = Gauge("swarmnode_pipeline_idle_fraction", "Idle share of the latest iteration.", registry=REGISTRY)
+IN_FLIGHT = Gauge("swarmnode_pipeline_in_flight", "Microbatches held for backward right now.", registry=REGISTRY)
+DEFERRED = Counter("swarmnode_pipeline_deferred_total", "Forwards deferred for lack of a memory slot.",
+                   registry=REGISTRY)
+DROPPED = Counter("swarmnode_pipeline_dropped_total",
+                  "Pipeline messages dropped (stale_iteration, unknown_path, duplicate, ...).", ["reason"],
+                  registry=REGISTRY)
+ERRORS_SENT = Counter("swarmnode_pipeline_errors_answered_total",
+                      "Messages answered with an error (wrong shape, malformed).", ["reason"], registry=REGISTRY)
+SCHEDULE_EPOCH = Gauge("swarmnode_pipeline_schedule_epoch", "Schedule epoch of the current iteration.",
+                       registry=REGISTRY)
+STAGE_INDEX = Gauge("swarmnode_pipeline_stage_index", "Pipeline stage this node serves.", registry=REGISTRY)
+ITERATION = Gauge("swarmnode_pipeline_iteration", "Optimizer steps taken by this stage node.", registry=REGISTRY)

@@ -1,0 +1,184 @@
+"""``[grpo]``: the settings of the ``grpo`` role (collaborative GRPO with F-TIS rollout sharing).
+
+Owns the section's schema, its cross-field checks and the *round config hash*: the swarm-wide
+part of the settings (task, B, G, sampling, completion cap, round length, tokenizer, wire
+version) that every peer of a run must share, hashed into ``config_hash`` and carried in every
+rollout batch (grpo.md §3). Learner knobs (mode, C, delta, lr, aggregation, warm-up) stay local
+and may differ between peers. Imports only pydantic and the standard library (config checks
+must not import torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+WIRE_VERSION = 1                       # = rl.rollout.WIRE_VERSION (checked by a unit test)
+BYTE_TOKENIZER_HASH = hashlib.sha256(b"swarmnode/byte-tokenizer/v1:256").hexdigest()[:16]
+"""Hash of the embedded byte tokenizer (models/tokenizer.py): the only tokenizer this role
+supports so far; every peer's models share it whatever their size."""
+
+
+class GRPOConfig(BaseModel):
+    """``[grpo]``: one collaborative GRPO learner (see grpo.md)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    # ---- swarm-wide round config (hashed into config_hash; must match across peers) ----
+    task: Literal["arith"] = "arith"
+    """Verifiable task. ``arith``: sums of small integers with a local verifier (rl/tasks.py)."""
+
+    min_operands: int = Field(2, ge=2, le=6)
+    """Fewest operands of an ``arith`` problem."""
+
+    max_operands: int = Field(2, ge=2, le=6)
+    """Most operands of an ``arith`` problem. 2 keeps the embedded demo learnable in seconds;
+    raise it (3) for a harder task."""
+
+    max_operand: int = Field(9, ge=1, le=999)
+    """Largest operand value (0..max_operand)."""
+
+    prompts_per_round: int = Field(8, ge=1, le=256)
+    """B: prompts every peer answers each round (the same on every peer, seeded by run and
+    round). More: less noisy steps, longer rounds."""
+
+    completions_per_prompt: int = Field(4, ge=2, le=64)
+    """G: completions a peer samples per prompt (its local group share)."""
+
+    temperature: float = Field(0.7, gt=0, le=4.0)
+    """Sampling temperature T; also the temperature of the learner's re-scoring. A batch
+    sampled at another T is refused (its log-probs describe another distribution)."""
+
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    """Nucleus sampling (1.0 = off)."""
+
+    max_completion_tokens: int = Field(24, ge=1, le=1024)
+    """Cap on a completion's length (tokens); longer foreign completions are refused, own ones
+    end truncated (and masked when ``mask_truncated``)."""
+
+    round_s: float = Field(4.0, ge=0.5, le=3600)
+    """Round length in seconds. Rounds are derived from the clock (r = floor(time / round_s)),
+    so peers agree on the round without talking. It must fit generation + collection + one
+    step on the slowest peer: raise it when ``swarmnode_grpo_rounds_total{outcome="skipped"}``
+    grows."""
+
+    # ---- local knobs (not hashed) ----
+    mode: Literal["ftis", "uncorrected", "solo"] = "ftis"
+    """How foreign rollouts are used: ``ftis`` (truncated importance weights + KL filter on
+    negative-advantage foreign samples), ``uncorrected`` (foreign samples treated as on-policy:
+    the baseline of existing swarms), ``solo`` (publish but never learn from peers)."""
+
+    foreign_per_prompt: int = Field(8, ge=0, le=256)
+    """F: most foreign completions added to each prompt's group."""
+
+    per_sender_per_prompt: int = Field(4, ge=1, le=64)
+    """Most completions one sender contributes to one group (bounds a single peer's pull)."""
+
+    max_senders: int = Field(16, ge=1, le=1024)
+    """Most peers whose batches are used in one round (the first ones to arrive)."""
+
+    C: float = Field(2.0, gt=0)
+    """F-TIS weight cap: w = min(exp(l - gen_logp), C). Lower: less variance, slower use of
+    peers' better samples."""
+
+    delta: float = Field(0.5, gt=0)
+    """F-TIS KL threshold: a foreign sample with negative advantage and KL(gen || local) above
+    this is dropped. Lower: more filtering."""
+
+    lr: float = Field(1e-3, gt=0)
+    """Adam learning rate of the GRPO step."""
+
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage normalisation: std within the group, over the round, or none (Dr.GRPO)."""
+
+    loss_agg: Literal["sample", "seq", "token", "dr_grpo"] = "sample"
+    """Loss aggregation (grpo.md §1); ``sample`` bounds one completion's pull whatever its
+    length (robust to verbose senders)."""
+
+    mask_truncated: bool = True
+    """Completions that hit the cap without the stop token are left out of the loss."""
+
+    collect_frac: float = Field(0.5, gt=0, lt=1)
+    """Peers' batches are collected until t_round + collect_frac * round_s; late or missing
+    peers never hold the round up. Lower it if steps end after the round."""
+
+    start_slack_frac: float = Field(0.3, ge=0, lt=1)
+    """A round is joined only if this peer is ready before t_round + start_slack_frac *
+    round_s; otherwise it waits for the next one (counted as skipped)."""
+
+    fetch_timeout_s: float = Field(2.0, gt=0, le=30)
+    """Per-call deadline of a RolloutService.Fetch (DHT path); capped by the collect deadline."""
+
+    transport: Literal["auto", "bus", "dht"] = "auto"
+    """How rollouts travel. ``auto``: the event bus's ``rollouts`` topic when the bus is on
+    (``eventbus.enabled``), else the DHT index + gRPC Fetch. ``dht`` forces the index path."""
+
+    max_rejections_per_sender: int = Field(8, ge=1)
+    """Refused batches/shards from one sender within ``ban_rounds`` rounds before this peer
+    ignores it for ``ban_rounds`` rounds (counted as ``quota``)."""
+
+    ban_rounds: int = Field(10, ge=1)
+    """Length of the window and of the ignore period above, in rounds."""
+
+    model_seed: int | None = None
+    """Seed of this peer's initial weights. None: derived from the peer ID (every peer starts
+    different)."""
+
+    warmup_target_acc: float = Field(0.3, ge=0, le=1)
+    """Supervised warm-up on reference solutions runs until greedy held-out accuracy reaches
+    this (so rewards start non-zero with variance). 0 disables the warm-up."""
+
+    warmup_max_steps: int = Field(400, ge=0)
+    """Most warm-up steps (batch ``warmup_batch``)."""
+
+    warmup_lr: float = Field(3e-3, gt=0)
+    """Adam learning rate of the warm-up."""
+
+    warmup_batch: int = Field(32, ge=1)
+    """Warm-up batch size."""
+
+    heldout_size: int = Field(100, ge=1, le=10000)
+    """Evaluation prompts for the accuracy metric (fixed: the same before and after training)."""
+
+    heldout: Literal["prompts", "problems"] = "prompts"
+    """What the accuracy metric holds out. ``prompts``: a fixed evaluation set drawn from the
+    training distribution with its own seed, never used as a round's prompts (the same problem
+    may still come up in a round: with 2 operands 0-9 there are only 100). ``problems``: problems
+    of the task's held-out split, never trained on (generalisation to unseen sums; the tiny demo
+    models barely move on it within tens of rounds)."""
+
+    eval_every: int = Field(5, ge=0)
+    """Held-out accuracy every this many trained rounds (0 = only at start and end)."""
+
+    exit_after_rounds: int = Field(0, ge=0)
+    """Drain and exit 0 after this many trained rounds (0 = run until stopped). The demo and
+    tests use it."""
+
+    torch_threads: int = Field(0, ge=0)
+    """Intra-op torch threads (0 = torch's default). Set 1 when several peers share a machine."""
+
+    @model_validator(mode="after")
+    def _cross(self) -> "GRPOConfig":
+        if self.min_operands > self.max_operands:
+            raise ValueError(f"grpo.min_operands={self.min_operands} is above grpo.max_operands="
+                             f"{self.max_operands}")
+        return self
+
+    def round_config(self) -> dict:
+        """The swarm-wide fields (what ``config_hash`` covers)."""
+        return {"task": self.task, "operands": [self.min_operands, self.max_operands, self.max_operand],
+                "B": self.prompts_per_round, "G": self.completions_per_prompt,
+                "T": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "cap": self.max_completion_tokens, "round_s": self.round_s,
+                "tokenizer": BYTE_TOKENIZER_HASH, "wire": WIRE_VERSION}
+
+    def config_hash(self) -> str:
+        """sha256 (16 hex) of :meth:`round_config`: peers with another hash are refused."""
+        raw = json.dumps(self.round_config(), sort_keys=True).encode()
+        return hashlib.sha256(raw).hexdigest()[:16]

@@ -1,0 +1,106 @@
+"""SkipPipe on a real swarm: a bootstrap (schedule coordinator) and 3 data nodes + 3 stages x 2
+replicas of the `stage` role as OS processes on 127.0.0.1 (issue 10, pipeline.md P11-P13).
+
+Every microbatch visits 2 of the 3 transformer stages (skip ratio 1/3) over open tensor
+streams; after every one of the >= 20 steps the replicas of each stage publish the same weight
+hash; every stage steps exactly once per iteration with the balanced visit count; validation of
+the full in-order model falls; a message from a peer outside the schedule, sent over a real
+stream, is dropped and counted while training goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from node.localswarm import LocalSwarm, NodeProc
+from pipeline import stage_demo
+from protocol.streams import ChannelPool, StreamError, open_stream
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
+
+ITERATIONS = 24
+N = 9
+
+
+def events(node: NodeProc, event: str) -> list[dict]:
+    out = []
+    text = node.log_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    for line in lines:
+        if f'"event": "{event}"' in line:
+            out.append(json.loads(line))  # a line naming the event that is not JSON fails the test
+    return out
+
+
+async def _send_stray(addr: str, run_id: str) -> str | None:
+    """Send one forward from a peer outside the schedule; the gRPC code if it was refused at the
+    door (calls must be signed when security.peer_auth is on), else None (it was delivered)."""
+    pool = ChannelPool()
+    try:
+        stream = await open_stream(pool.get(addr), run_id=run_id, sender="12D3KooWstrayPeerNotInTheSchedule",
+                                   channel_name="pipe", max_tensor_bytes=1 << 20)
+        meta = {"it": "0", "ep": "1", "p": "0", "h": "1", "o": "0"}
+        await stream.send("fwd", torch.zeros(4, 32, 32), meta)
+        await stream.close()
+        return None
+    except StreamError as exc:
+        return exc.code.name if exc.code is not None else exc.reason
+    finally:
+        await pool.close()
+
+
+def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
+    common = [*stage_demo.node_settings(ITERATIONS, N), "card.refresh_s=1", "drain.budget_s=10"]
+    t0 = time.monotonic()
+    with LocalSwarm(run_id="pipe", common_set=common, workdir=tmp_path) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        swarm.wait_ready([boot], timeout=60)
+        nodes = [swarm.start("stage", name=f"stage-{i}", extra_set=stage_demo.worker_settings(i)) for i in range(N)]
+        stage_of = {n.name: stage_demo.LAYOUT[i] for i, n in enumerate(nodes)}
+        stray_target = nodes[3]                                     # a stage-1 node
+        deadline = time.monotonic() + 100
+        while stray_target.readyz() is None or stray_target.readyz().get("state") != "ready":
+            assert time.monotonic() < deadline, "stage node never became ready"
+            assert stray_target.alive(), stray_target.log_text()[-3000:]
+            time.sleep(0.3)
+        refused = asyncio.run(_send_stray(f"127.0.0.1:{stray_target.grpc_port}", "pipe"))
+        for n in nodes:
+            rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
+            assert rc == 0, f"{n.name} exited with {rc}: {n.log_text()[-3000:]}"
+        wall = time.monotonic() - t0
+
+    # the coordinator planned once over all 9 stage nodes, before any training
+    published = events(boot, "schedule_published")
+    assert published and published[0]["nodes"] == N and published[0]["method"] == "skippipe"
+
+    steps = defaultdict(dict)          # (stage, iteration) -> node -> hash
+    for n in nodes:
+        recs = events(n, "stage_step")
+        assert [r["iteration"] for r in recs] == list(range(ITERATIONS)), f"{n.name}: one step per iteration"
+        for r in recs:
+            steps[(stage_of[n.name], r["iteration"])][n.name] = r["weights_sha256"]
+            # 3 data nodes x 3 microbatches; each visits 2 of 3 transformer stages: 6 visits per stage
+            assert r["total_visits"] == (9 if stage_of[n.name] == 0 else 6), r
+    for (stage, it), hashes in steps.items():
+        assert len(hashes) == (3 if stage == 0 else 2)
+        assert len(set(hashes.values())) == 1, f"stage {stage} replicas differ after step {it}: {hashes}"
+    for stage in range(4):             # and the weights do move
+        assert steps[(stage, 0)] != steps[(stage, ITERATIONS - 1)]
+
+    finished = {n.name: events(n, "training_finished")[-1] for n in nodes}
+    evals = [f for f in finished.values() if f["eval_loss_end"] is not None]
+    assert len(evals) == 1, "exactly one data node validates the full in-order model"
+    assert evals[0]["eval_loss_end"] < evals[0]["eval_loss_start"] - 0.3, evals[0]
+    assert all(f["iterations"] == ITERATIONS for f in finished.values())
+    stray = finished[stray_target.name]["dropped"]
+    if refused is None:
+        assert sum(stray.values()) >= 1, f"the stray message was not counted: {stray}"
+    else:
+        assert refused == "UNAUTHENTICATED", refused
+    assert wall < 120, f"the pipeline swarm took {wall:.0f} s"

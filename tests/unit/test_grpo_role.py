@@ -1,0 +1,194 @@
+"""Round-logic pieces of the grpo role: signed batches, bus shards, the validating inbox (refusals
+counted by reason, per-sender ignore window), the round config hash, foreign selection and one
+learner step over mixed groups. Pure CPU, no network."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from models import ModelConfig
+from rl import rollout as RO
+from rl.grpo_config import GRPOConfig
+from rl.grpo_exchange import Inbox, RolloutServicer, Signed, decode_shard, open_signed, reason_of, shards, \
+    sign_batch
+from rl.learner import Learner
+from rl.rollout import Completion, Expect, PromptGroup, RolloutBatch, RolloutRejected
+from security.keys import generate_key, peer_id_str
+
+RUN = "unit"
+TOKHASH = "tok"
+
+
+def _batch(sender: str, round_: int = 3, temperature: float = 0.7, groups: int = 2, n: int = 5,
+           tokenizer_hash: str = TOKHASH, config_hash: str = "cfg") -> RolloutBatch:
+    gs = []
+    for g in range(groups):
+        comps = [Completion(np.arange(n, dtype=np.int32) + 40 + c, -np.full(n, 0.5, np.float32))
+                 for c in range(2)]
+        gs.append(PromptGroup(hashlib.sha256(b"p%d" % g).digest(), comps))
+    return RolloutBatch(RUN, round_, sender, tokenizer_hash, temperature, gs, config_hash, "m")
+
+
+def _expect(round_: int = 3) -> Expect:
+    return Expect(run=RUN, round=round_, tokenizer_hash=TOKHASH, temperature=0.7, vocab_size=256, max_tokens=24,
+                  prompt_ids=frozenset(hashlib.sha256(b"p%d" % g).digest() for g in range(4)),
+                  max_completions_per_group=8, config_hash="cfg")
+
+
+@pytest.fixture
+def key():
+    return generate_key()
+
+
+def test_signed_batch_verifies_and_tampering_fails(key):
+    pid = peer_id_str(key)
+    s = sign_batch(key, _batch(pid))
+    batch, err = open_signed(s.body, s.signature, _expect(), pid)
+    assert err is None and batch.sender == pid and batch.n_tokens() == 20
+    # one flipped log-prob bit: the signature no longer verifies
+    body = bytearray(s.body)
+    body[-1] ^= 0x01
+    batch, err = open_signed(bytes(body), s.signature, _expect(), pid)
+    assert batch is None and reason_of(err) == "signature"
+    # impersonation: a batch naming another peer, signed by us
+    other = peer_id_str(generate_key())
+    forged = sign_batch(key, _batch(other))
+    batch, err = open_signed(forged.body, forged.signature, _expect(), other)
+    assert batch is None and reason_of(err) == "signature"
+    # a batch naming a sender other than the one it came from
+    batch, err = open_signed(s.body, s.signature, _expect(), other)
+    assert batch is None and reason_of(err) == "schema" and "came from" in err.reason
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(round_=2), "stale"), (dict(tokenizer_hash="other"), "config"), (dict(temperature=1.0), "config"),
+    (dict(config_hash="x"), "config"), (dict(n=30), "schema")])
+def test_refusals_are_classified(key, change, reason):
+    pid = peer_id_str(key)
+    s = sign_batch(key, _batch(pid, **change))
+    batch, err = open_signed(s.body, s.signature, _expect(), pid)
+    assert batch is None and reason_of(err) == reason, err
+
+
+def test_malformed_bytes_rejected_without_raising(key):
+    pid = peer_id_str(key)
+    s = sign_batch(key, _batch(pid))
+    for body in (b"", b"SNRB", s.body[:-3], s.body + b"\0", b"\x80\x04pickle"):
+        batch, err = open_signed(body, s.signature, _expect(), pid)
+        assert batch is None and reason_of(err) == "schema"
+
+
+def test_inbox_counts_refusals_and_ignores_a_bad_sender(key):
+    pid = peer_id_str(key)
+    counted = []
+    inbox = Inbox("me", max_rejections=3, window=5, on_reject=counted.append)
+    good = sign_batch(key, _batch(pid))
+    assert inbox.offer(good, pid, _expect()) is not None
+    stale = sign_batch(key, _batch(pid, round_=1))
+    hot = sign_batch(key, _batch(pid, temperature=1.3))
+    assert inbox.offer(stale, pid, _expect()) is None
+    assert inbox.offer(hot, pid, _expect()) is None
+    assert counted == ["stale", "config"]
+    assert inbox.offer(Signed(b"junk", good.signature), pid, _expect()) is None
+    assert counted[-1] == "schema"
+    # 3 refusals within the window: the sender is ignored, even with a good batch
+    assert inbox.banned(pid, 3)
+    assert inbox.offer(good, pid, _expect()) is None and counted[-1] == "quota"
+    assert not inbox.banned(pid, 8)
+    # the earlier good batch is still there, once; own messages are never taken
+    assert inbox.offer(sign_batch(key, _batch("me")), "me", _expect()) is None
+    got = inbox.take(3)
+    assert [b.sender for b in got] == [pid] and len(got[0].groups) == 2
+    assert inbox.take(3) == []
+
+
+def test_inbox_digest_mismatch_and_duplicate_groups(key):
+    pid = peer_id_str(key)
+    counted = []
+    inbox = Inbox("me", on_reject=counted.append)
+    s = sign_batch(key, _batch(pid))
+    assert inbox.offer(s, pid, _expect(), digest="0" * 64) is None and counted == ["digest"]
+    assert inbox.offer(s, pid, _expect(), digest=hashlib.sha256(s.body).hexdigest()) is not None
+    assert inbox.offer(s, pid, _expect()) is not None  # same groups again (bus + fetch): kept once
+    (merged,) = inbox.take(3)
+    assert len(merged.groups) == 2
+
+
+def test_shards_fit_the_cap_and_each_verifies(key):
+    pid = peer_id_str(key)
+    batch = _batch(pid, groups=4, n=20)
+    one = len(RO.encode(_batch(pid, groups=1, n=20))) + 68
+    msgs = shards(key, batch, cap=2 * one)
+    assert len(msgs) == 2 and all(len(m) <= 2 * one for m in msgs)
+    inbox = Inbox("me")
+    for m in msgs:
+        s = decode_shard(m)
+        assert inbox.offer(s, pid, _expect()) is not None
+    (merged,) = inbox.take(3)
+    assert [g.prompt_id for g in merged.groups] == [g.prompt_id for g in batch.groups]
+    with pytest.raises(ValueError, match="over the rollouts topic cap"):
+        shards(key, batch, cap=one - 10)
+    with pytest.raises(RolloutRejected):
+        decode_shard(b"SNRB" + b"\0" * 80)
+
+
+def test_servicer_keeps_last_rounds():
+    sv = RolloutServicer(RUN, keep=2)
+    for r in range(4):
+        sv.put(r, Signed(b"b%d" % r, b"s"))
+    assert sorted(sv._batches) == [2, 3]
+
+
+def test_round_config_hash_covers_swarm_fields_only():
+    base = GRPOConfig()
+    assert GRPOConfig(mode="solo", lr=1, C=3, delta=1).config_hash() == base.config_hash()
+    for change in (dict(temperature=1.0), dict(top_p=0.9), dict(top_k=5), dict(prompts_per_round=4),
+                   dict(max_completion_tokens=30), dict(round_s=9)):
+        assert GRPOConfig(**change).config_hash() != base.config_hash(), change
+    assert RO.WIRE_VERSION == 1  # = rl.grpo_config.WIRE_VERSION
+
+
+def _learners(mode: str):
+    cfg = GRPOConfig(mode=mode, prompts_per_round=4, completions_per_prompt=3, warmup_target_acc=0,
+                     max_completion_tokens=8, heldout_size=4, foreign_per_prompt=2, per_sender_per_prompt=1)
+    a = Learner(cfg, ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32), 0, RUN, "a")
+    b = Learner(cfg, ModelConfig(d_model=48, n_layers=1, n_heads=4, max_seq_len=32), 1, RUN, "b")
+    c = Learner(cfg, ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32), 2, RUN, "c")
+    return a, b, c
+
+
+@pytest.mark.parametrize("mode", ["ftis", "uncorrected", "solo"])
+def test_learner_step_mixes_foreign_rollouts(mode):
+    torch.manual_seed(0)
+    a, b, c = _learners(mode)
+    ga, gb, gc = a.generate(5), b.generate(5), c.generate(5)
+    assert [p.prompt_id for p in ga.prompts] == [p.prompt_id for p in gb.prompts]  # same prompts
+    foreign = [RO.decode(RO.encode(b.batch(gb))), RO.decode(RO.encode(c.batch(gc)))]
+    before = [p.detach().clone() for p in a.model.parameters()]
+    st = a.train(ga, foreign)
+    assert st.n_local == 12
+    if mode == "solo":
+        assert st.n_foreign == 0 and st.senders == 0
+    else:  # per_sender_per_prompt 1, F = 2: one from each sender per prompt
+        assert st.n_foreign == 8 and st.senders == 2
+    assert np.isfinite(st.loss)
+    changed = any(not torch.equal(x, y) for x, y in zip(before, a.model.parameters()))
+    assert changed or all(r in (0.0, 1.0) for r in ga.rewards)
+
+
+def test_learner_batch_is_what_the_sampler_produced():
+    a, _, _ = _learners("ftis")
+    g = a.generate(1)
+    batch = RO.decode(RO.encode(a.batch(g)))
+    assert len(batch.groups) == 4 and all(len(gr.completions) == 3 for gr in batch.groups)
+    first = batch.groups[0].completions[0]
+    assert first.token_ids.tolist() == g.samples.completion(0)
+    assert len(RO.encode(batch)) - len(RO.encode(RolloutBatch(RUN, 1, "a", batch.tokenizer_hash, 0.7, [
+        PromptGroup(gr.prompt_id, [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), c.truncated)
+                                   for c in gr.completions]) for gr in batch.groups],
+        batch.config_hash, batch.model_id))) == 8 * batch.n_tokens()
+    assert RO.check(batch, Expect(RUN, 1, a.tokenizer_hash, 0.7, 256, 8, config_hash=a.config_hash)) is None
