@@ -38,8 +38,20 @@ from node.eventbus.wire import Notice, NoticeError, decode_notice, encode_notice
 from protocol import eventbus_pb2, eventbus_pb2_grpc
 
 log = logging.getLogger("swarmnode.eventbus")
-READY_PREFIX = "EVENTBUS_READY "  # = sidecar.READY_PREFIX (not imported: the sidecar imports libp2p)
+# = sidecar.READY_PREFIX / ERROR_PREFIX (not imported: the sidecar imports libp2p)
+READY_PREFIX, ERROR_PREFIX = "EVENTBUS_READY ", "EVENTBUS_ERROR "
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+#: A sidecar that served this long before dying restarts after the shortest delay, and its death
+#: does not count towards ``eventbus.restart_max``.
+STABLE_S = 60.0
+
+
+def restart_delay(failures: int, cap_s: float) -> float:
+    """Seconds to wait before the next start after ``failures`` (>= 1) failures in a row:
+    0.5, 1, 2, 4 ... up to ``cap_s`` (``eventbus.restart_backoff_max_s``)."""
+    return min(cap_s, 0.5 * 2 ** max(0, failures - 1))
 
 
 class EventBusUnavailable(RuntimeError):
@@ -107,6 +119,7 @@ class SidecarProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "node.eventbus.sidecar", json.dumps(self.spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_REPO_ROOT)
         result: dict[str, Any] = {}
+        error: list[str] = []
 
         def read_ready() -> None:
             assert self.proc is not None and self.proc.stdout is not None
@@ -115,18 +128,27 @@ class SidecarProcess:
                 if line.startswith(READY_PREFIX) and not result:
                     result.update(json.loads(line[len(READY_PREFIX):]))
                     ready_evt.set()
+                elif line.startswith(ERROR_PREFIX):
+                    error.append(line[len(ERROR_PREFIX):])
             ready_evt.set()  # EOF: the child exited
 
         ready_evt = threading.Event()
         threading.Thread(target=read_ready, name="eventbus-stdout", daemon=True).start()
-        if not ready_evt.wait(self.start_timeout_s) or not result:
+        came = ready_evt.wait(self.start_timeout_s)
+        if not came or not result:
             code = self.proc.poll()
+            if came and code is None:  # its stdout closed: it is exiting
+                try:
+                    code = self.proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
             self.kill()
             if code is None:
                 raise RuntimeError(f"event-bus sidecar did not come up within {self.start_timeout_s:g} s "
                                    "(eventbus.start_timeout_s); see its log lines above")
-            raise RuntimeError(f"event-bus sidecar exited with code {code} during start; see its log lines "
-                               f"above (is port {self.spec['eventbus']['port']} free? eventbus.port)")
+            reason = error[0] if error else (f"see its log lines above (is port {self.spec['eventbus']['port']} "
+                                             "free? eventbus.port)")
+            raise RuntimeError(f"event-bus sidecar exited with code {code} during start: {reason}")
         self.ready = result
         return result
 
@@ -151,11 +173,14 @@ class SidecarProcess:
 
 
 class EventBus:
-    """The daemon's handle on its sidecar. Make it on the event loop; ``await start()``; run
-    ``supervise()`` as a background task; ``await stop()`` on drain."""
+    """The daemon's handle on its sidecar. Make it on the event loop; run ``supervise()`` as a
+    background task (it starts the sidecar; or ``await start()`` first to see start errors);
+    ``await stop()`` on drain. ``expected_peer_id``: refuse a sidecar whose peer ID differs
+    (the DHT's)."""
 
     def __init__(self, cfg: EventBusConfig, *, run_id: str, key_path: str, listen_host: str,
-                 advertise_host: str | None = None, allow_insecure_key: bool = False, verbose: bool = False):
+                 advertise_host: str | None = None, allow_insecure_key: bool = False, verbose: bool = False,
+                 expected_peer_id: str = ""):
         self.cfg, self.run_id = cfg, run_id
         self._own_dir = cfg.socket_dir is None
         sock_dir = Path(tempfile.mkdtemp(prefix="sn-bus-")) if self._own_dir else Path(cfg.socket_dir).expanduser()
@@ -175,8 +200,9 @@ class EventBus:
         self.stub: eventbus_pb2_grpc.EventBusStub | None = None
         self.peer_id = ""
         self.advertised_addrs: list[str] = []
+        self.expected_peer_id = expected_peer_id
         self.restarts = 0
-        self.state = "stopped"        # starting | up | restarting | failed | stopped
+        self.state = "starting"       # starting | up | restarting | failed | stopped
         self.last_error = ""
         self._up = asyncio.Event()
         self._stopping = False
@@ -191,16 +217,26 @@ class EventBus:
     # ---- life ----
     async def start(self) -> None:
         """Spawn the sidecar and connect; raises RuntimeError with the reason if it cannot start."""
-        self.state = "starting"
+        if self.state != "restarting":
+            self.state = "starting"
         proc = SidecarProcess(self._spec, self.cfg.start_timeout_s)
         try:
             ready = await _in_own_thread(proc.start, "eventbus-start")
         except Exception as exc:
             self.last_error = str(exc)
             raise
-        if ready.get("hivemind_loaded"):
-            proc.kill()
-            raise RuntimeError("event-bus sidecar loaded hivemind: it must not (protobuf clash); this is a bug")
+        problem = ""
+        if self._stopping:
+            problem = "event bus stopped while its sidecar was starting"
+        elif ready.get("hivemind_loaded"):
+            problem = "event-bus sidecar loaded hivemind: it must not (protobuf clash); this is a bug"
+        elif self.expected_peer_id and ready.get("peer_id") != self.expected_peer_id:
+            problem = (f"event-bus sidecar has peer ID {ready.get('peer_id')}, the DHT {self.expected_peer_id}: "
+                       "both must load the same identity.path key file")
+        if problem:
+            await _in_own_thread(proc.kill, "eventbus-kill")
+            self.last_error = problem
+            raise RuntimeError(problem)
         self.proc = proc
         self.peer_id = ready["peer_id"]
         self.advertised_addrs = list(ready.get("advertised_addrs") or [])
@@ -221,11 +257,32 @@ class EventBus:
                  extra={"event": "eventbus_up", "pid": proc.pid, "addrs": self.advertised_addrs})
 
     async def supervise(self) -> None:
-        """Restart the sidecar with backoff whenever it dies; returns when stopped or given up."""
+        """Start the sidecar if it is not up, and restart it with backoff whenever it dies.
+
+        Returns after :meth:`stop`, or when ``eventbus.restart_max`` starts in a row have failed
+        or died young (state ``failed``: roles stay on the DHT fallback). A sidecar that served
+        for ``STABLE_S`` resets the count, so rare crashes over a long run never add up to a
+        give-up."""
+        failures = 0   # failed starts and young deaths in a row
         while not self._stopping:
+            if not self.up:
+                if failures > self.cfg.restart_max:
+                    self.state = "failed"
+                    log.error("event-bus sidecar gave up after %d failures in a row (%s); roles use the DHT "
+                              "fallback", failures, self.last_error, extra={"event": "eventbus_failed"})
+                    return
+                try:
+                    await self.start()
+                except Exception as exc:  # noqa: BLE001 - retried with backoff
+                    failures += 1
+                    self.state = "restarting"
+                    log.warning("event-bus sidecar failed to start (%d/%d in a row): %s", failures,
+                                self.cfg.restart_max + 1, exc, extra={"event": "eventbus_start_failed"})
+                    await asyncio.sleep(restart_delay(failures, self.cfg.restart_backoff_max_s))
+                    continue
             proc = self.proc
-            if proc is None:
-                return
+            assert proc is not None
+            born = time.monotonic()
             code = await _in_own_thread(proc.wait, "eventbus-wait")
             if self._stopping:
                 return
@@ -235,26 +292,12 @@ class EventBus:
             self.restarts += 1
             bus_metrics.RESTARTS.inc()
             self.state = "restarting"
-            self.last_error = f"sidecar exited with code {code}"
-            log.warning("event-bus sidecar exited (code %s); restart %d/%d", code, self.restarts,
-                        self.cfg.restart_max, extra={"event": "eventbus_restart", "code": code,
-                                                     "restarts": self.restarts})
-            delay = 0.5
-            while not self._stopping:
-                if self.restarts > self.cfg.restart_max:
-                    self.state = "failed"
-                    log.error("event-bus sidecar gave up after %d restarts; roles use the DHT fallback",
-                              self.restarts - 1, extra={"event": "eventbus_failed"})
-                    return
-                try:
-                    await self.start()
-                    break
-                except Exception as exc:  # noqa: BLE001 - retried with backoff
-                    self.last_error = str(exc)
-                    self.restarts += 1
-                    bus_metrics.RESTARTS.inc()
-                    await asyncio.sleep(delay)
-                    delay = min(self.cfg.restart_backoff_max_s, delay * 2)
+            self.last_error = f"sidecar (pid {proc.pid}) exited with code {code}"
+            failures = 1 if time.monotonic() - born >= STABLE_S else failures + 1
+            delay = restart_delay(failures, self.cfg.restart_backoff_max_s)
+            log.warning("event-bus sidecar exited (code %s); restart %d in %.1f s", code, self.restarts, delay,
+                        extra={"event": "eventbus_restart", "code": code, "restarts": self.restarts})
+            await asyncio.sleep(delay)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -345,15 +388,21 @@ class EventBus:
     def snapshot(self) -> eventbus_pb2.PeersReply | None:
         return self._snapshot
 
+    @property
+    def finished(self) -> bool:
+        """Stopped, or given up after too many failures: nothing will bring it back."""
+        return self._stopping or self.state == "failed"
+
     async def poll(self, interval_s: float = 2.0) -> None:
         """Background task: keep the snapshot (metrics, /readyz details) fresh."""
-        while not self._stopping:
+        while not self.finished:
             await self.refresh()
             await asyncio.sleep(interval_s)
 
     def status(self) -> dict[str, Any]:
         """Small JSON-able summary for /readyz details and `swarmnode status`."""
-        out: dict[str, Any] = {"state": self.state, "restarts": self.restarts}
+        out: dict[str, Any] = {"state": self.state, "restarts": self.restarts, "peer_id": self.peer_id,
+                               "pid": self.proc.pid if self.proc is not None and self.up else None}
         if self.last_error and self.state != "up":
             out["error"] = self.last_error[:200]
         snap = self._snapshot
@@ -397,7 +446,7 @@ class EventBus:
             if t not in TOPICS:
                 raise ValueError(f"unknown topic {t!r}; topics are {', '.join(TOPICS)}")
         caps = self.cfg.caps()
-        while not self._stopping and self.state != "failed":
+        while not self.finished:
             if not self.up:
                 await self.wait_up(1.0)
                 continue

@@ -63,8 +63,8 @@ class EventBusConfig(BaseModel):
     invalid); it decays by 10% per heartbeat. 0 turns the penalty off."""
 
     publish_threshold: float = Field(-50.0, le=0)
-    """Below this score a neighbour's messages are ignored (5 bad messages at the default
-    penalty)."""
+    """Below this score a neighbour's messages on a topic are ignored (after 6 bad messages there
+    at the default penalty, until the penalty decays)."""
 
     graylist_threshold: float = Field(-80.0, le=0)
     """Below this score a neighbour is graylisted (all its RPCs ignored). Keep it below

@@ -3,7 +3,8 @@ publish the node's gossip address and reachability on its card, announce its dra
 
 Owns the glue between :class:`node.eventbus.client.EventBus` and the daemon (card, membership,
 supervisor). One supervised task runs it all and never fails the node: a bus that cannot start
-or keeps dying ends in state ``failed`` and roles use their DHT fallback.
+or keeps dying ends in state ``failed`` and roles use their DHT fallback. The sidecar must come
+up with the node's own peer ID (the DHT's), or it is refused.
 
 Card details it maintains: ``gossip_addr`` (comma-separated multiaddrs peers dial for gossip)
 and ``bus_reach`` (``"<peers that reached us>/<peers that reported>"``, from their probes).
@@ -34,7 +35,8 @@ class NodeEventBus:
         self.bus: EventBus | None = None
         if cfg.eventbus.enabled:
             self.bus = EventBus(cfg.eventbus, run_id=cfg.run_id, key_path=key_path, listen_host=cfg.host,
-                                advertise_host=cfg.grpc_host, allow_insecure_key=cfg.identity.allow_insecure_mode)
+                                advertise_host=cfg.grpc_host, allow_insecure_key=cfg.identity.allow_insecure_mode,
+                                expected_peer_id=peer_id)
             self.bus.on_up.append(self._publish_addr)  # a restart with port 0 changes the address
         self._hint_logged = ""
 
@@ -48,33 +50,20 @@ class NodeEventBus:
         return self.bus.status()
 
     async def run(self) -> None:
-        """Supervised task body: start, then keep the sidecar, snapshot, notices and peers going."""
+        """Supervised task body: start the sidecar (retried with backoff), keep it alive, and keep
+        its snapshot, notices and peer set going until the bus stops or gives up."""
         bus = self.bus
         if bus is None:
             return
         try:
-            await self._start_with_retries(bus)
-            if not bus.up:
-                return
-            await asyncio.gather(bus.supervise(), bus.poll(), bus.listen(), self._discover(bus))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the bus is advisory: never fail the node for it
-            bus.state, bus.last_error = "failed", repr(exc)
-            log.error("event bus stopped: %r; roles use the DHT fallback", exc, extra={"event": "eventbus_failed"})
-
-    async def _start_with_retries(self, bus: EventBus) -> None:
-        delay = 0.5
-        for attempt in range(self.cfg.eventbus.restart_max + 1):
-            try:
-                await bus.start()
-                return
-            except Exception as exc:  # noqa: BLE001 - reported and retried
-                log.warning("event-bus sidecar failed to start (%d/%d): %s", attempt + 1,
-                            self.cfg.eventbus.restart_max + 1, exc, extra={"event": "eventbus_start_failed"})
-                await asyncio.sleep(delay)
-                delay = min(self.cfg.eventbus.restart_backoff_max_s, delay * 2)
-        bus.state = "failed"
+            async with asyncio.TaskGroup() as tg:  # one failing loop cancels the others
+                for loop in (bus.supervise(), bus.poll(), bus.listen(), self._discover(bus)):
+                    tg.create_task(loop)
+        except* Exception as group:  # the bus is advisory: never fail the node for it
+            error = repr(group.exceptions[0])
+            await bus.stop()
+            bus.state, bus.last_error = "failed", error
+            log.error("event bus stopped: %s; roles use the DHT fallback", error, extra={"event": "eventbus_failed"})
 
     def _publish_addr(self, bus: EventBus) -> None:
         self.card.update(publish=True, gossip_addr=",".join(bus.advertised_addrs)[:200])
@@ -84,7 +73,7 @@ class NodeEventBus:
         from node.card import read_cards
 
         interval = max(1.0, min(self.cfg.card.refresh_s, 5.0))
-        while bus.state not in ("failed", "stopped"):
+        while not bus.finished:
             dht = self.membership.dht
             if dht is not None:
                 try:

@@ -63,6 +63,7 @@ from security.keys import load_key_file
 log = logging.getLogger("swarmnode.eventbus.sidecar")
 AGENT = "swarmnode-eventbus/1"
 READY_PREFIX = "EVENTBUS_READY "
+ERROR_PREFIX = "EVENTBUS_ERROR "
 #: Reports about us older than this many probe intervals are forgotten.
 _REPORT_WINDOW = 3.0
 #: A neighbour's unchanged signed peer record is re-verified (and its addresses' TTL refreshed)
@@ -71,6 +72,10 @@ _RECORD_RECHECK_S = 60.0
 #: The peer with the larger ID waits this long before dialling a newly known peer, so that two
 #: nodes told of each other at once do not both dial (one connection per pair, not two).
 _DIAL_DEFER_S = 2.0
+
+
+class SidecarError(RuntimeError):
+    """The sidecar cannot serve; the message says what to change (shown by the daemon)."""
 
 
 class Stats:
@@ -627,13 +632,14 @@ async def serve(spec: dict[str, Any]) -> None:
         await stack.enter_async_context(background_trio_service(pubsub))
         await stack.enter_async_context(background_trio_service(router))
         await pubsub.wait_until_ready()
-        if os.environ.get("SN_BUS_TRACE"):  # D3-DEBUG
-            sys.path.insert(0, "/tmp"); import d3_trace; d3_trace.install(bus, pubsub, router)  # D3-DEBUG
         subs = {}
         for name, tid in bus.topic_ids.items():
             pubsub.set_topic_validator(tid, bus.validator(name), False)
             subs[name] = await pubsub.subscribe(tid)  # joins the mesh; deliveries: notify_subscriptions
         bus.listen_addrs = [str(a).split("/p2p/")[0] for a in host.get_addrs()]
+        if not bus.listen_addrs:  # py-libp2p logs a failed listen and carries on without one
+            raise SidecarError(f"cannot listen on {listen[0]} (port taken?): free TCP port {cfg.port} or set "
+                               "another eventbus.port")
         bus.advertised = list(spec.get("announce_addrs") or []) or [
             a.replace("/0.0.0.0/", f"/{spec.get('advertise_host') or '127.0.0.1'}/") for a in bus.listen_addrs]
         bus.token = trio.lowlevel.current_trio_token()
@@ -685,7 +691,23 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(serve, spec)
     except KeyboardInterrupt:
         return 0
+    except BaseException as exc:  # noqa: BLE001 - Trio wraps it in exception groups
+        reason = _sidecar_error(exc)
+        if reason is None:
+            raise
+        print(ERROR_PREFIX + str(reason), flush=True)  # the daemon shows this line as the reason
+        return 1
     return 0
+
+
+def _sidecar_error(exc: BaseException) -> SidecarError | None:
+    if isinstance(exc, SidecarError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = _sidecar_error(inner)
+        if found is not None:
+            return found
+    return None
 
 
 if __name__ == "__main__":

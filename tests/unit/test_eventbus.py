@@ -13,7 +13,7 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from node.eventbus.client import gossip_peers_from_cards
+from node.eventbus.client import gossip_peers_from_cards, restart_delay
 from node.eventbus.config import EventBusConfig
 from node.eventbus.metrics import BusCounters
 from node.eventbus.wire import (NoticeError, decode_notice, encode_notice, full_topic, short_topic, signed_bytes,
@@ -137,6 +137,17 @@ def test_counters_stay_monotonic_across_restarts():
     c.local_drop("swarm", "bad_signature")
     assert c.totals(None)[2][("swarm", "local_bad_signature")] == 1
 
+
+def test_restart_backoff_doubles_to_its_cap():
+    assert [restart_delay(n, 5.0) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_disabled_bus_leaves_roles_on_the_dht():
+    from node.config import load_config
+    from node.eventbus.service import NodeEventBus
+
+    svc = NodeEventBus(load_config(environ={}), "unused.key", card=None, membership=None, peer_id="p")
+    assert svc.bus is None and not svc.enabled and svc.status() == {"state": "disabled"}
 
 
 def test_status_tells_an_unreachable_node_what_to_fix():
