@@ -3,15 +3,16 @@ over gRPC on a unix socket.
 
 Runs as ``python -m node.eventbus.sidecar SPEC_JSON`` (started by ``node/eventbus/client.py``).
 Owns, inside the child: the libp2p host built from the node's own Ed25519 key file (same peer
-ID as the DHT), gossipsub v1.1 with peer scoring on the run's topics, the validators that drop
-unsigned, forged, oversized or malformed messages and penalise the neighbour that sent them,
-dialling the peers the daemon passes in (from their node cards), the reachability prober, and
-the local ``EventBus`` gRPC service.
+ID as the DHT), the run's topics and their validators (drop oversized or malformed messages;
+py-libp2p then penalises the neighbour that sent them), delivery to local subscribers,
+dialling the peers the daemon passes in (from their node cards), and the local ``EventBus``
+gRPC service. The gossipsub adaptations live in ``gossip``, the reachability prober in ``reach``.
 
 Process rules: this module NEVER imports hivemind, directly or through other ``node`` modules
-(only ``node.eventbus.config``/``wire``, ``security.keys`` and ``protocol.eventbus_pb2*``):
-hivemind and py-libp2p register the same protobuf symbols (security.md §10). The child exits
-when its stdin closes (the daemon died), so it never outlives its node.
+(only ``node.eventbus.config``/``wire``/``gossip``/``reach``, ``security.keys`` and
+``protocol.eventbus_pb2*``): hivemind and py-libp2p register the same protobuf symbols
+(security.md §10). The child exits when its stdin closes (the daemon died), so it never
+outlives its node.
 
 Threads: Trio runs libp2p on the main thread; the gRPC server's worker threads call into it with
 ``trio.from_thread`` and receive deliveries through per-subscriber ``queue.Queue``s.
@@ -20,7 +21,6 @@ Threads: Trio runs libp2p on the main thread; the gRPC server's worker threads c
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import logging
 import os
@@ -39,36 +39,20 @@ import trio
 from cryptography.hazmat.primitives import serialization
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.host.ping import PingService
-from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
-from libp2p.identity.identify.pb.identify_pb2 import Identify as IdentifyMsg
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.pubsub import gossipsub as gossipsub_module
-from libp2p.pubsub import pubsub as pubsub_module
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
-from libp2p.pubsub.pubsub import Pubsub
-from libp2p.pubsub.rpc_queue import RpcQueue
-from libp2p.pubsub.utils import maybe_consume_signed_record
-from libp2p.pubsub.score import ScoreParams, TopicScoreParams
-from libp2p.pubsub.validators import signature_validator
 from libp2p.tools.anyio_service import background_trio_service
-from libp2p.utils.varint import read_length_prefixed_protobuf
 
+from node.eventbus import gossip
 from node.eventbus.config import TOPICS, EventBusConfig
-from node.eventbus.wire import NoticeError, decode_notice, encode_notice, full_topic
+from node.eventbus.reach import Prober
+from node.eventbus.wire import NoticeError, decode_notice, full_topic
 from protocol import eventbus_pb2, eventbus_pb2_grpc
 from security.keys import load_key_file
 
 log = logging.getLogger("swarmnode.eventbus.sidecar")
-AGENT = "swarmnode-eventbus/1"
 READY_PREFIX = "EVENTBUS_READY "
 ERROR_PREFIX = "EVENTBUS_ERROR "
-#: Reports about us older than this many probe intervals are forgotten.
-_REPORT_WINDOW = 3.0
-#: A neighbour's unchanged signed peer record is re-verified (and its addresses' TTL refreshed)
-#: at most this often; py-libp2p verifies it on every RPC, twice for RPCs with control parts.
-_RECORD_RECHECK_S = 60.0
 #: The peer with the larger ID waits this long before dialling a newly known peer, so that two
 #: nodes told of each other at once do not both dial (one connection per pair, not two).
 _DIAL_DEFER_S = 2.0
@@ -76,142 +60,6 @@ _DIAL_DEFER_S = 2.0
 
 class SidecarError(RuntimeError):
     """The sidecar cannot serve; the message says what to change (shown by the daemon)."""
-
-
-class Stats:
-    """Per-topic counters (read by Peers; the daemon turns them into Prometheus series)."""
-
-    def __init__(self) -> None:
-        self.published = collections.Counter()
-        self.received = collections.Counter()
-        self.dropped: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-
-    def drop(self, topic: str, reason: str) -> None:
-        self.dropped[topic][reason] += 1
-
-
-class CheckedPubsub(Pubsub):
-    """Pubsub that counts every message py-libp2p would drop silently on receipt: unsigned or
-    forged (and penalises the neighbour), below the score gate, and those lost in the outbound
-    queue of a neighbour whose stream died. It also verifies each signature once, not twice."""
-
-    bus: "Bus"
-
-    async def push_msg(self, msg_forwarder: ID, msg: Any) -> None:
-        mine = msg_forwarder == self.my_id
-        if not mine and not self._is_msg_seen(msg):
-            reason = None
-            if not msg.signature:
-                reason = "unsigned"
-            else:
-                try:
-                    ok = signature_validator(msg)
-                except Exception:  # noqa: BLE001 - a malformed key is a forgery too
-                    ok = False
-                if not ok:
-                    reason = "forged"
-            if reason is not None:
-                self.bus.reject(msg_forwarder, list(msg.topicIDs), reason)
-                return
-            scorer = getattr(self.router, "scorer", None)
-            if scorer is not None and not scorer.allow_publish(msg_forwarder, list(msg.topicIDs)):
-                for tid in msg.topicIDs:  # py-libp2p's own gate (next) would drop it without a trace
-                    self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "score_gate")
-                return
-            self.bus.note_forwarder(msg, msg_forwarder)
-        if mine or not self._is_msg_seen(msg):
-            _VERIFIED[0] = msg  # checked above (or signed here): py-libp2p need not verify it again
-        try:
-            await super().push_msg(msg_forwarder, msg)
-        finally:
-            _VERIFIED[0] = None
-
-    def notify_subscriptions(self, publish_message: Any) -> None:
-        # hand deliveries to the bus synchronously: py-libp2p's own subscription channel holds 32
-        # messages and silently drops the rest of a burst (a quarter of 100 back-to-back 1 KiB)
-        for tid in publish_message.topicIDs:
-            name = self.bus.names.get(tid)
-            if name is not None:
-                self.bus.deliver(name, publish_message)
-
-    def _handle_dead_peer(self, peer_id: ID) -> None:
-        # py-libp2p closes the neighbour's outbound queue and forgets what was still in it
-        queue = self.peer_queues.get(peer_id) if peer_id in self.peers else None
-        if queue is not None:
-            pending = getattr(queue, "_queue", None)
-            for rpc in list(getattr(pending, "_non_priority", ())) + list(getattr(pending, "_priority", ())):
-                for m in rpc.publish:
-                    for tid in m.topicIDs:
-                        self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "peer_gone")
-        super()._handle_dead_peer(peer_id)
-
-
-#: The message ``CheckedPubsub.push_msg`` has just verified (identity, not equality): py-libp2p's
-#: own check of it, which follows synchronously, is skipped.
-_VERIFIED: list[Any] = [None]
-
-
-def _signature_once(msg: Any) -> bool:
-    if msg is _VERIFIED[0]:
-        return True
-    return signature_validator(msg)
-
-
-class RecordCache:
-    """py-libp2p parses and verifies the sender's signed peer record on every inbound RPC (a
-    quarter of a receiver's CPU in an 8-node burst) and silently drops the whole RPC when that
-    fails. This accepts bytes identical to the record last accepted from that peer without
-    re-verifying them (at most ``_RECORD_RECHECK_S``), and counts the RPCs py-libp2p drops."""
-
-    def __init__(self, bus: "Bus"):
-        self.bus = bus
-        self.accepted: dict[ID, tuple[bytes, float]] = {}
-
-    def __call__(self, msg: Any, host: Any, peer_id: ID) -> bool:
-        if not msg.HasField("senderRecord"):
-            return True
-        record = bytes(msg.senderRecord)
-        now = time.monotonic()
-        last = self.accepted.get(peer_id)
-        if last is not None and last[0] == record and now - last[1] < _RECORD_RECHECK_S:
-            return True
-        ok = maybe_consume_signed_record(msg, host, peer_id)
-        if ok:
-            self.accepted[peer_id] = (record, now)
-            if len(self.accepted) > 4096:
-                self.accepted.pop(next(iter(self.accepted)))
-        else:
-            for m in msg.publish:
-                for tid in m.topicIDs:
-                    self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "bad_peer_record")
-        return ok
-
-
-class CountingGossipSub(GossipSub):
-    """GossipSub that counts the messages it drops: per-neighbour outbound queue full, and
-    messages not forwarded (rate limit, equivocation)."""
-
-    bus: "Bus"
-
-    def _handle_dropped_rpc(self, peer_id: ID, rpc: Any, reason: str) -> None:
-        for m in rpc.publish:
-            for tid in m.topicIDs:
-                self.bus.stats.drop(self.bus.names.get(tid, "unknown"), reason)
-        super()._handle_dropped_rpc(peer_id, rpc, reason)
-
-    def _check_spam_protection(self, peer_id: ID, msg: Any) -> bool:
-        ok = super()._check_spam_protection(peer_id, msg)
-        if not ok:  # delivered locally, but not forwarded
-            for tid in msg.topicIDs:
-                self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "rate_limited")
-        return ok
-
-    def _check_equivocation(self, msg: Any) -> bool:
-        ok = super()._check_equivocation(msg)
-        if not ok:
-            for tid in msg.topicIDs:
-                self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "equivocation")
-        return ok
 
 
 class Bus:
@@ -224,18 +72,17 @@ class Bus:
         self.caps = self.cfg.caps()
         self.topic_ids = {name: full_topic(self.run_id, name) for name in TOPICS}
         self.names = {v: k for k, v in self.topic_ids.items()}
-        self.stats = Stats()
+        self.stats = gossip.Stats()
         self.subscribers: list[tuple[frozenset[str], queue.Queue]] = []
         self.sub_lock = threading.Lock()
         self.known: dict[str, list[str]] = {}
         self.dial_fail: dict[str, tuple[int, float]] = {}
         self.first_known: dict[str, float] = {}
-        self.probes: dict[str, dict[str, Any]] = {}
-        self.reports: dict[str, tuple[bool, list[str], str, float]] = {}  # reporter -> (ok, addrs, error, at)
+        self.prober: Prober | None = None
         self.forwarders: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.host: Any = None
-        self.pubsub: CheckedPubsub | None = None
-        self.router: GossipSub | None = None
+        self.pubsub: gossip.CheckedPubsub | None = None
+        self.router: gossip.CountingGossipSub | None = None
         self.peer_id = ""
         self.listen_addrs: list[str] = []
         self.advertised: list[str] = []
@@ -315,17 +162,8 @@ class Bus:
             notice = decode_notice(msg.data, self.run_id, self.caps["swarm"])
         except NoticeError:
             return
-        if notice.kind != "reachability":
-            return
-        fields = notice.fields
-        if self.peer_id in (fields.get("ok") or []):
-            self.reports[notice.sender] = (True, [], "", time.time())
-        fail = fields.get("fail") or {}
-        if isinstance(fail, dict) and self.peer_id in fail:
-            entry = fail[self.peer_id]
-            addrs = [str(a) for a in entry[:1]] if isinstance(entry, list) else []
-            err = str(entry[1]) if isinstance(entry, list) and len(entry) > 1 else ""
-            self.reports[notice.sender] = (False, addrs, err, time.time())
+        if notice.kind == "reachability" and self.prober is not None:
+            self.prober.on_notice(notice)
 
     # ---- publish ----
     async def publish(self, name: str, data: bytes) -> tuple[bytes, int]:
@@ -347,9 +185,8 @@ class Bus:
         for p in list(self.dial_fail):
             if p not in self.known:
                 del self.dial_fail[p]
-        for p in list(self.probes):
-            if p not in self.known:
-                del self.probes[p]
+        if self.prober is not None:
+            self.prober.forget(self.known)
         self.wake.set()
         connected = sum(1 for p in self.known if self._connected(p))
         return len(self.known), connected
@@ -388,101 +225,6 @@ class Bus:
             fails = self.dial_fail.get(peer, (0, 0.0))[0] + 1
             self.dial_fail[peer] = (fails, time.monotonic() + min(60.0, 0.5 * 2 ** fails))
 
-    # ---- reachability ----
-    async def probe_loop(self, probe_host: Any) -> None:
-        await trio.sleep(min(2.0, self.cfg.probe_interval_s))
-        while True:
-            known = list(self.known.items())
-            results: dict[str, dict[str, Any]] = {}
-            async with trio.open_nursery() as n:
-                for peer, addrs in known:
-                    n.start_soon(self._probe_peer, probe_host, peer, addrs, results)
-            self.probes.update(results)
-            if results:
-                await self._publish_reachability(results)
-            await trio.sleep(self.cfg.probe_interval_s)
-
-    async def _probe_peer(self, probe_host: Any, peer: str, addrs: list[str], out: dict) -> None:
-        """Dial each advertised address from a throwaway host (so an existing connection, maybe
-        one the peer opened to us, proves nothing), then ping and identify over it."""
-        result: dict[str, Any] = {}
-        for addr in addrs:
-            result = await self._probe_addr(probe_host, peer, addr)
-            if result["reachable"]:
-                break
-        out[peer] = result
-
-    async def _probe_addr(self, probe_host: Any, peer: str, addr: str) -> dict[str, Any]:
-        res: dict[str, Any] = {"peer_id": peer, "addr": addr, "reachable": False, "rtt_ms": 0.0, "agent": "",
-                               "error": "", "checked_at": time.time()}
-        network = probe_host.get_network()
-        pid = None
-        try:
-            pid = ID.from_base58(peer)
-            with trio.fail_after(self.cfg.probe_timeout_s):
-                await network.dial_addr(multiaddr.Multiaddr(addr), pid)
-                t0 = time.perf_counter()
-                await PingService(probe_host).ping(pid, 1)
-                res["rtt_ms"] = round((time.perf_counter() - t0) * 1000, 3)
-                stream = await probe_host.new_stream(pid, [IDENTIFY_PROTOCOL])
-                ident = IdentifyMsg()
-                ident.ParseFromString(await read_length_prefixed_protobuf(stream, use_varint_format=True))
-                res["agent"] = ident.agent_version[:64]
-                if PROTOCOL_ID_V11 not in ident.protocols:
-                    res["error"] = f"answers but does not speak {PROTOCOL_ID_V11}"
-                    return res
-            res["reachable"] = True
-        except trio.TooSlowError:
-            res["error"] = f"timeout {self.cfg.probe_timeout_s:g} s"
-        except Exception as exc:  # noqa: BLE001 - reported per address
-            text = str(exc)
-            if "handshake" in text or "security" in text:
-                res["error"] = "another peer ID answers there (handshake failed)"
-            elif "open connection" in text or "TCP" in text:
-                res["error"] = "connection refused or no route"
-            else:
-                res["error"] = (text.splitlines()[0] if text else type(exc).__name__)[:120]
-        finally:
-            if pid is not None:
-                with trio.move_on_after(1.0):
-                    try:
-                        await network.close_peer(pid)
-                    except Exception:  # noqa: BLE001 - best effort
-                        pass
-        return res
-
-    async def _publish_reachability(self, results: dict[str, dict[str, Any]]) -> None:
-        ok = [p for p, r in results.items() if r["reachable"]]
-        fail = {p: [r["addr"], r["error"]] for p, r in results.items() if not r["reachable"]}
-        cap = self.caps["swarm"]
-        while True:  # trim to the topic cap: failures first (they carry the hints), then successes
-            data = encode_notice("reachability", self.run_id, self.peer_id, ok=ok, fail=fail)
-            if len(data) <= cap or (not ok and not fail):
-                break
-            if ok:
-                ok = ok[: len(ok) // 2]
-            else:
-                fail = dict(list(fail.items())[: len(fail) // 2])
-        try:
-            await self.publish("swarm", data)
-        except Exception as exc:  # noqa: BLE001 - no mesh yet, etc.
-            log.debug("reachability notice not sent: %r", exc)
-
-    def self_reachability(self) -> eventbus_pb2.SelfReachability:
-        horizon = time.time() - _REPORT_WINDOW * self.cfg.probe_interval_s - 5
-        recent = {r: v for r, v in self.reports.items() if v[3] >= horizon}
-        reached = sum(1 for v in recent.values() if v[0])
-        failed_addrs = sorted({a for v in recent.values() if not v[0] for a in v[1]})
-        hint = ""
-        if recent and reached == 0:
-            errors = sorted({v[2] for v in recent.values() if v[2]})
-            port = self.cfg.port
-            hint = (f"no peer could dial this node's gossip address {', '.join(failed_addrs) or self.advertised} "
-                    f"({'; '.join(errors) or 'unreachable'}): open TCP port {port or 'eventbus.port'} to the swarm, "
-                    "or set eventbus.announce_addrs (and advertise_host) to an address peers can reach")
-        return eventbus_pb2.SelfReachability(reporters=len(recent), reached_by=reached,
-                                             failed_addrs=failed_addrs, hint=hint)
-
     # ---- snapshot for Peers ----
     def peers_sync(self) -> eventbus_pb2.PeersReply:
         assert self.router is not None and self.pubsub is not None
@@ -495,9 +237,10 @@ class Bus:
                                   published=self.stats.published[name], received=self.stats.received[name])
             for reason, count in self.stats.dropped[name].items():
                 ts.dropped[reason] = count
-        for r in self.probes.values():
-            reply.probes.add(**r)
-        reply.self_reachability.CopyFrom(self.self_reachability())
+        if self.prober is not None:
+            for r in self.prober.probes.values():
+                reply.probes.add(**r)
+            reply.self_reachability.CopyFrom(self.prober.self_reachability())
         return reply
 
 
@@ -570,25 +313,22 @@ class Servicer(eventbus_pb2_grpc.EventBusServicer):
         return eventbus_pb2.SetPeersReply(known=known, connected=connected)
 
 
-def _score_params(cfg: EventBusConfig) -> ScoreParams:
-    return ScoreParams(
-        p4_invalid_messages=TopicScoreParams(weight=cfg.invalid_message_penalty, cap=1000.0, decay=0.9),
-        p5_behavior_penalty_weight=1.0, p5_behavior_penalty_decay=0.9, p5_behavior_penalty_threshold=10.0,
-        p7_ip_colocation_weight=1.0, p7_ip_colocation_threshold=16,
-        publish_threshold=cfg.publish_threshold, gossip_threshold=cfg.publish_threshold / 5,
-        graylist_threshold=cfg.graylist_threshold, accept_px_threshold=0.0)
-
-
 def _seed(key_path: str, allow_insecure: bool) -> bytes:
     key = load_key_file(key_path, allow_insecure_mode=allow_insecure)
     return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                              serialization.NoEncryption())
 
 
+#: Set once the daemon has asked us to stop (stdin closed): errors py-libp2p raises while its
+#: services tear down after that (messages still arriving on closing connections) are noise.
+_STOP_REQUESTED = [False]
+
+
 async def _watch_stdin(cancel: trio.CancelScope) -> None:
-    """The daemon holds our stdin open; EOF means it is gone: stop."""
+    """The daemon holds our stdin open; EOF means it is gone (or stopping us): stop."""
     await trio.to_thread.run_sync(sys.stdin.buffer.read, abandon_on_cancel=True)
     log.info("daemon went away (stdin closed): stopping")
+    _STOP_REQUESTED[0] = True
     cancel.cancel()
 
 
@@ -606,27 +346,9 @@ async def serve(spec: dict[str, Any]) -> None:
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(host.run(listen))
         await stack.enter_async_context(probe_host.run(probe_listen))
-        # py-libp2p makes each neighbour's outbound queue with RpcQueue() (32 RPCs, then drops)
-        pubsub_module.RpcQueue = functools.partial(RpcQueue, max_size=cfg.outbound_queue)
-        # module globals py-libp2p looks up per call; patched here, not in the installed package
-        # (see RecordCache and _signature_once for why)
-        records = RecordCache(bus)
-        pubsub_module.maybe_consume_signed_record = records
-        gossipsub_module.maybe_consume_signed_record = records
-        pubsub_module.signature_validator = _signature_once
-        router = CountingGossipSub([PROTOCOL_ID_V11], degree=cfg.degree, degree_low=cfg.degree_low,
-                                   degree_high=cfg.degree_high,
-                                   heartbeat_interval=cfg.heartbeat_s,  # type: ignore[arg-type]
-                                   score_params=_score_params(cfg),
-                                   max_messages_per_topic_per_second=cfg.max_messages_per_peer_per_s,
-                                   eclipse_protection_enabled=False)  # colocated test swarms; P7 scores IP colocation
-        pubsub = CheckedPubsub(host, router, strict_signing=True, cache_size=4096,
-                               max_inbound_rpc_size=max(bus.caps.values()) * 4 + 64 * 1024)
-        pubsub.bus = router.bus = bus
-        # py-libp2p starts seqnos at int(time()): a sidecar restarted within seconds would reuse the
-        # seqnos of its last life, and peers' seen-caches would drop its messages as duplicates
-        pubsub.counter = time.time_ns()
+        pubsub, router = gossip.build(host, cfg, bus, max(bus.caps.values()))
         bus.host, bus.pubsub, bus.router = host, pubsub, router
+        bus.prober = Prober(bus, probe_host)
         bus.peer_id = host.get_id().to_base58()
         bus.my_id_bytes = host.get_id().to_bytes()
         await stack.enter_async_context(background_trio_service(pubsub))
@@ -661,7 +383,7 @@ async def serve(spec: dict[str, Any]) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(bus.connect_loop)
-                nursery.start_soon(bus.probe_loop, probe_host)
+                nursery.start_soon(bus.prober.run)
                 if spec.get("watch_stdin", True):
                     nursery.start_soon(_watch_stdin, nursery.cancel_scope)
         finally:
@@ -693,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as exc:  # noqa: BLE001 - Trio wraps it in exception groups
         reason = _sidecar_error(exc)
+        if reason is None and _STOP_REQUESTED[0]:
+            log.info("ignored while stopping: %r", exc)
+            return 0
         if reason is None:
             raise
         print(ERROR_PREFIX + str(reason), flush=True)  # the daemon shows this line as the reason
