@@ -73,12 +73,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no live nodes in this run (wrong --run-id? cards expire 30 s after a node stops)"
     cols = ["peer_id", "role", "state", "round", "address", "age_s"]
-    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s"})
+    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s", "bus_hint"})
     cols += extra
     table = [[str(r.get(c, "")) if c != "peer_id" else str(r[c])[:16] + "…" for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(x.ljust(w) for x, w in zip(t, widths)) for t in table]
+    # under the table, not in it: a hint is a sentence
+    lines += [f"{str(r['peer_id'])[:16]}…: {r['bus_hint']}" for r in rows if r.get("bus_hint")]
     return "\n".join(lines)
 
 

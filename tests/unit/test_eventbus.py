@@ -151,7 +151,7 @@ def test_disabled_bus_leaves_roles_on_the_dht():
 
 
 def test_status_tells_an_unreachable_node_what_to_fix():
-    from node.status import bus_reach_hint, card_rows
+    from node.status import bus_reach_hint, card_rows, format_table
 
     addr = "/ip4/10.0.0.9/tcp/31338"
     hint = bus_reach_hint({"bus_reach": "0/3", "gossip_addr": addr})
@@ -163,6 +163,9 @@ def test_status_tells_an_unreachable_node_what_to_fix():
                            started_at=0.0, details={"bus_reach": "0/2", "gossip_addr": addr})
     rows = card_rows([SimpleNamespace(peer_id="p", card=card)], now=1.0)
     assert rows[0]["bus_reach"] == "0/2" and "UNREACHABLE" in rows[0]["bus_hint"]
+    header, row, note = format_table(rows).splitlines()
+    assert "BUS_REACH" in header and "BUS_HINT" not in header and "0/2" in row and addr in row
+    assert note.startswith("p…: gossip UNREACHABLE") and addr in note
 
 # ---- the sidecar's process hygiene ----
 
