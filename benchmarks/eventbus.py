@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     messages, burst = (40, 100) if args.quick else (200, 400)
     results: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="sn-bench-bus-") as tmp:
         for nodes in NODES:
             for name, size in SIZES.items():
@@ -231,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                ["bus"]["p50_s"], "wall_s": time.monotonic() - t0}
     met = {k: (summary[k] <= v if k != "p50_speedup_vs_dht_polling" else summary[k] >= v) for k, v in TARGETS.items()}
     out = {"summary": summary, "targets": TARGETS, "targets_met": met, "quick": args.quick,
-           "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(),
-                       "note": "shared CPUs make latencies noisy; re-measure on a quiet machine"},
+           "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                       "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
+                       "note": "shared CPUs make latencies noisy (see loadavg); re-measure on a quiet machine"},
            "results": results}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps({"summary": summary, "targets_met": met}, indent=2))
