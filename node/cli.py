@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     admit = sub.add_parser("admit", help="issue an admission token (token mode) and print it base64")
     admit.add_argument("--peer-id", required=True, help="the admitted peer's ID (12D3KooW...)")
     admit.add_argument("--expires", default="24h", help="duration (30m, 24h, 7d) or ISO-8601 time; default 24h")
-    admit.add_argument("--roles", default="", help="comma-separated allowed roles (default: any)")
+    admit.add_argument("--roles", "--role", default="", help="comma-separated allowed roles (default: any)")
     admit.add_argument("--identity", required=True, help="the coordinator's Ed25519 key file")
     admit.add_argument("--run-id", required=True)
 

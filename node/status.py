@@ -54,7 +54,18 @@ def card_rows(views: list, now: float | None = None) -> list[dict[str, Any]]:
         hint = bus_reach_hint(c.details)
         if hint:
             rows[-1]["bus_hint"] = hint
+    mark_banned(rows)
     return rows
+
+
+def mark_banned(rows: list[dict[str, Any]]) -> None:
+    """Add ``banned_by`` (how many other nodes ban it) to the rows of peers that other nodes'
+    cards list in ``banned_ids`` (node/grpc_server.py: the last 8 characters of each banned key)."""
+    bans = [(r["peer_id"], set(str(r.get("banned_ids") or "").split(",")) - {""}) for r in rows]
+    for row in rows:
+        n = sum(1 for who, ids in bans if who != row["peer_id"] and row["peer_id"][-8:] in ids)
+        if n:
+            row["banned_by"] = n
 
 
 def bus_reach_hint(details: dict[str, Any]) -> str:
@@ -73,7 +84,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no live nodes in this run (wrong --run-id? cards expire 30 s after a node stops)"
     cols = ["peer_id", "role", "state", "round", "address", "age_s"]
-    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s"})
+    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s", "banned_ids"})
     cols += extra
     table = [[str(r.get(c, "")) if c != "peer_id" else str(r[c])[:16] + "…" for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
