@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--initial-peers", nargs="+", metavar="MADDR")
     st.add_argument("--config", help="take initial_peers and run_id from this TOML file")
     st.add_argument("--run-id")
+    st.add_argument("--coordinator", metavar="PEER_ID",
+                    help="token mode: list only nodes admitted by this coordinator (default: the config's "
+                         "security.coordinator_peer_id when security.admission = 'token')")
     st.add_argument("--json", action="store_true", help="print one JSON array")
     st.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
     st.add_argument("--local", action="store_true", help="ask this host's ops port instead of the DHT")

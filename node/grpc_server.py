@@ -583,6 +583,58 @@ class _GuardedGeneric(grpc.GenericRpcHandler):
         return hit[1]
 
 
+def _parse_guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` (unary request) parsing its own request: bytes that are not the method's
+    message get INVALID_ARGUMENT (counted as "body") instead of gRPC's UNKNOWN "Unexpected
+    DecodeError". For the services outside the guard (health), whose parsing nobody else does."""
+    deser = handler.request_deserializer
+    if deser is None or handler.request_streaming:
+        return handler
+
+    async def parse(raw: bytes, context):
+        try:
+            return deser(raw)
+        except Exception:  # noqa: BLE001 - DecodeError and friends
+            RPC_REJECTED.labels(reason="body").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request to {method} is not a valid message")
+
+    def make(behavior, _streaming):
+        if _is_gen(behavior):
+            async def gen(raw, context):
+                async for item in behavior(await parse(raw, context), context):
+                    yield item
+            return gen
+
+        async def coro(raw, context):
+            result = behavior(await parse(raw, context), context)
+            return await result if inspect.isawaitable(result) else result
+        return coro
+    return _rewrap(handler, make)._replace(request_deserializer=None)
+
+
+class _ParseGuarded:
+    """What a generated adder sees for an unguarded service: its handlers parse their own requests."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers):
+        self._server.add_generic_rpc_handlers(tuple(_ParseGuardedGeneric(h) for h in handlers))
+
+    def add_registered_method_handlers(self, service_name, method_handlers):
+        self._server.add_registered_method_handlers(service_name, {
+            name: _parse_guarded(h, f"/{service_name}/{name}") for name, h in method_handlers.items()})
+
+
+class _ParseGuardedGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler):
+        self.inner = inner
+
+    def service(self, handler_call_details):
+        handler = self.inner.service(handler_call_details)
+        return None if handler is None else _parse_guarded(handler, handler_call_details.method)
+
+
 class GrpcHost:
     """Creates the server; ``bind`` then ``start``; health follows the lifecycle. ``guard``
     (a :class:`CallGuard`) protects every service added with :meth:`add`."""
@@ -593,7 +645,7 @@ class GrpcHost:
                                       maximum_concurrent_rpcs=max_concurrent_rpcs,
                                       interceptors=[MetricsInterceptor()])
         self.health = AioHealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, _ParseGuarded(self.server))
         self._services = [health.SERVICE_NAME]
         self.host, self.requested_port = host, port
         self.port = 0

@@ -96,8 +96,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 class SwarmReader:
     """A client-mode DHT that reads the run's cards; use as a context manager."""
 
-    def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 15.0):
+    def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 15.0, coordinator: str | None = None):
+        """``coordinator``: token mode, list only cards carrying a valid admission token it signed."""
         self.initial_peers, self.run_id, self.timeout = initial_peers, run_id, timeout
+        self.coordinator = coordinator
         self.dht = None
 
     def __enter__(self) -> "SwarmReader":
@@ -106,7 +108,8 @@ class SwarmReader:
         from node.card import CARD_NAMESPACE
         from security.records import SignedRecordValidator
 
-        validator = SignedRecordValidator(self.run_id, None, [CARD_NAMESPACE])
+        validator = SignedRecordValidator(self.run_id, None, [CARD_NAMESPACE], coordinator_peer_id=self.coordinator,
+                                          require_admission=self.coordinator is not None)
         try:
             self.dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[validator],
@@ -140,7 +143,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--initial-peers: {exc}") from None
     run_id = args.run_id or (cfg.run_id if cfg else "swarmnode")
-    with SwarmReader(peers, run_id) as reader:
+    coordinator = args.coordinator or (cfg.security.coordinator_peer_id
+                                       if cfg and cfg.security.admission == "token" else None)
+    if coordinator is not None:
+        from security.keys import RecordRejected, public_key_of
+        try:
+            public_key_of(coordinator)
+        except RecordRejected as exc:
+            raise ConfigError(f"--coordinator {coordinator[:60]!r} is not an Ed25519 peer ID (12D3KooW…): {exc}") \
+                from None
+    with SwarmReader(peers, run_id, coordinator=coordinator) as reader:
         while True:
             rows = card_rows(reader.read())
             if args.json:

@@ -31,6 +31,7 @@ from node.state_sync import fetch_state
 from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.roster import ROSTER_NAMESPACE, RosterEntry, publish_entry
 from protocol.grpc_options import server_options
+from security.admission import decode_token
 from security.keys import generate_key, peer_id_str, write_key_file
 from security.peer_auth import CallSigner, ClientAuth, client_auth, client_interceptors, set_client_auth
 from security.records import SignedRecordValidator
@@ -54,10 +55,11 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
         time.sleep(poll)
 
 
-def status_rows(swarm: LocalSwarm) -> list[dict]:
-    """``swarmnode status --json`` as a real operator runs it."""
+def status_rows(swarm: LocalSwarm, coordinator: str | None = None) -> list[dict]:
+    """``swarmnode status --json`` as a real operator runs it (``--coordinator``: token mode)."""
+    extra = ["--coordinator", coordinator] if coordinator else []
     out = subprocess.run([sys.executable, "-m", "node.cli", "status", "--initial-peers", swarm.bootstrap_maddr,
-                          "--run-id", swarm.run_id, "--json"], capture_output=True, text=True, timeout=60)
+                          "--run-id", swarm.run_id, "--json", *extra], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -70,6 +72,16 @@ def model_specs(model_kw: dict) -> tuple[list, list[torch.Tensor]]:
     return specs, init
 
 
+CORE_RACE = "Internal error from Core"
+"""What a grpc.aio client reports instead of the server's status when the server ends a call
+while the client is still sending (grpc/grpc#36066, fix pending in grpc/grpc#43486): the
+client's own write failed; the server's reply is lost, not wrong."""
+
+
+def client_race(code: grpc.StatusCode, details: str | None) -> bool:
+    return code == grpc.StatusCode.INTERNAL and (details or "") == CORE_RACE
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -80,13 +92,18 @@ def rss_bytes(pid: int) -> int:
 class Attacker:
     """A peer outside the swarm's control, with its own event loop in a thread."""
 
-    def __init__(self, swarm: LocalSwarm, tmp: Path, name: str, key=None):
+    def __init__(self, swarm: LocalSwarm, tmp: Path, name: str, key=None, *, token: bytes | None = None,
+                 coordinator: str | None = None):
+        """``token`` (token mode): the admission token its records and calls carry;
+        ``coordinator``: the run's coordinator peer ID (needed with a token)."""
         self.swarm, self.run_id = swarm, swarm.run_id
         self.key = key if key is not None else generate_key()
         self.peer_id = peer_id_str(self.key)
-        self.signer = CallSigner(self.key, self.run_id)
+        self.signer = CallSigner(self.key, self.run_id, token=token)
+        self.token_expires_at = decode_token(token)[0].expires_at if token else None
         path = write_key_file(tmp / f"{name}.key", self.key)
-        validator = SignedRecordValidator(self.run_id, self.key, [CARD_NAMESPACE, ROSTER_NAMESPACE])
+        validator = SignedRecordValidator(self.run_id, self.key, [CARD_NAMESPACE, ROSTER_NAMESPACE],
+                                          coordinator_peer_id=coordinator, admission_token=token)
         self.dht = hivemind.DHT(initial_peers=[swarm.bootstrap_maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                 identity_path=str(path), check_if_identity_free=False, start=True,
                                 record_validators=[validator])
@@ -119,17 +136,22 @@ class Attacker:
             details["round"] = round_
         card = NodeCard(role=role, state="ready", version="0.1.0", grpc_addr=self.addr, started_at=time.time(),
                         published_at=time.time(), details=details)
-        return await store_entry(self.dht, cards_key(self.run_id), self.peer_id, card, 30.0)
+        ttl = 30.0  # capped to the token's life while it has one (records may not outlive it); after, it still tries
+        if self.token_expires_at is not None and self.token_expires_at - time.time() > 1:
+            ttl = min(ttl, self.token_expires_at - time.time() - 1)
+        return await store_entry(self.dht, cards_key(self.run_id), self.peer_id, card, ttl)
 
-    def keep_card(self, round_: int | None, cfg_hash: str, role: str = "noloco", every_s: float = 5.0) -> None:
-        """Publish the card now and keep it fresh until :meth:`close` (a member that stays)."""
-        assert self.run(self.publish_card(round_, cfg_hash, role)), "the DHT refused the attacker's card"
+    def keep_card(self, round_: int | None, cfg_hash: str, role: str = "noloco", every_s: float = 5.0) -> bool:
+        """Publish the card now and keep republishing it until :meth:`close` (a member that
+        stays, or a refused writer that keeps trying); returns whether the first store worked."""
+        stored = self.run(self.publish_card(round_, cfg_hash, role))
 
         async def loop():
             while not self._stop.is_set():
                 await asyncio.sleep(every_s)
                 await self.publish_card(round_, cfg_hash, role)
         self.spawn(loop())
+        return stored
 
     async def publish_roster(self, round_: int, cfg_hash: str) -> bool:
         entry = RosterEntry(round=round_, grpc_addr=self.addr, cfg_hash=cfg_hash, waiting_since=time.time())

@@ -277,7 +277,7 @@ def test_strangers_cannot_call_download_or_pair_and_idle_streams_hold_nothing(sw
     boot_signer = CallSigner(load_key_file(swarm.boot.identity), RUN)
     try:
         cfg_hash = member.worker_cfg_hash(swarm.workers)
-        member.keep_card(None, cfg_hash, role="bootstrap")
+        assert member.keep_card(None, cfg_hash, role="bootstrap")
         specs, init = model_specs(MODEL)
         denied0 = metric(w0, "swarmnode_rpc_rejected_total", reason="unknown_peer")
 
@@ -351,7 +351,7 @@ def test_flooder_is_banned_and_honest_rounds_keep_pace(swarm, tmp_path):
     boot_signer = CallSigner(load_key_file(swarm.boot.identity), RUN)
     try:
         cfg_hash = flooder.worker_cfg_hash(swarm.workers)
-        flooder.keep_card(None, cfg_hash, role="bootstrap")
+        assert flooder.keep_card(None, cfg_hash, role="bootstrap")
 
         async def known():  # the flood must come from a member: rate limits, not "unknown peer"
             async with flooder.channel(w0) as ch:

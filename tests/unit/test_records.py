@@ -357,3 +357,28 @@ def test_token_mode_admits_only_writers_with_a_valid_token_for_their_role(keys):
     assert_rejected(reader, card_by(stage_only), "admission")                             # role not allowed
     # the coordinator needs no token for its own records
     assert reader.validate(card_by(None, subkey_key=coord))
+
+
+def test_token_mode_records_expire_with_their_token(keys):
+    """A record may not outlive its writer's token, and one stored while the token was valid
+    stays valid until it expires itself: hivemind drops a whole subkey dictionary (every card)
+    when one entry fails validation, so no entry may turn invalid while peers hold it."""
+    from security.admission import issue_token
+
+    coord, a = keys["coord"], keys["a"]
+    pid_a, key = peer_id_str(a), f"{RUN}/nodes"
+    reader = _token_validator(keys["b"], coord)
+    writer_of = lambda tok: _token_validator(a, coord, tok)  # noqa: E731
+    now = get_dht_time()
+    short = issue_token(coord, run_id=RUN, peer_id=pid_a, expires_at=now + 20)
+    assert reader.validate(hivemind_record(writer_of(short), key, pid_a, record_value(key, CARD), now + 15))
+    assert_rejected(reader, hivemind_record(writer_of(short), key, pid_a, record_value(key, CARD), now + 40),
+                    "admission")  # outlives the token
+    # stored while valid: token expired 5 s ago, the record 6 s ago (a peer with a slower clock
+    # still serves it): it is the record's expiry that drops it, not a validation failure
+    old = issue_token(coord, run_id=RUN, peer_id=pid_a, expires_at=now - 5, not_before=now - 100)
+    assert reader.validate(hivemind_record(writer_of(old), key, pid_a, record_value(key, CARD), now - 6))
+    # a new record with the expired token is refused
+    assert_rejected(reader, hivemind_record(writer_of(old), key, pid_a, record_value(key, CARD), now + 10),
+                    "admission")
+
