@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--initial-peers", nargs="+", metavar="MADDR")
     st.add_argument("--config", help="take initial_peers and run_id from this TOML file")
     st.add_argument("--run-id")
+    st.add_argument("--coordinator", metavar="PEER_ID",
+                    help="token mode: list only nodes admitted by this coordinator (default: the config's "
+                         "security.coordinator_peer_id when security.admission = 'token')")
     st.add_argument("--json", action="store_true", help="print one JSON array")
     st.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
     st.add_argument("--local", action="store_true", help="ask this host's ops port instead of the DHT")
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     admit = sub.add_parser("admit", help="issue an admission token (token mode) and print it base64")
     admit.add_argument("--peer-id", required=True, help="the admitted peer's ID (12D3KooW...)")
     admit.add_argument("--expires", default="24h", help="duration (30m, 24h, 7d) or ISO-8601 time; default 24h")
-    admit.add_argument("--roles", default="", help="comma-separated allowed roles (default: any)")
+    admit.add_argument("--roles", "--role", default="", help="comma-separated allowed roles (default: any)")
     admit.add_argument("--identity", required=True, help="the coordinator's Ed25519 key file")
     admit.add_argument("--run-id", required=True)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from node import metrics
 from node.card import CARD_NAMESPACE, CardPublisher
-from node.config import NodeConfig, redacted
+from node.config import ConfigError, NodeConfig, redacted
 from node.eventbus.service import NodeEventBus
 from node.card import read_cards
 from node.grpc_server import CallGuard, GrpcHost, KnownPeers, NodeServicer
@@ -35,7 +35,7 @@ from node.roles import NodeContext, load_role
 from node.supervisor import Supervisor
 from node.version import VERSION
 from protocol import node_pb2, node_pb2_grpc
-from security.admission import token_check
+from security.admission import check_own_token, token_check
 from security.peer_auth import CallSigner, ClientAuth, PeerAuthenticator, set_client_auth
 from security.records import SignedRecordValidator
 
@@ -43,7 +43,7 @@ log = logging.getLogger("swarmnode.daemon")
 
 STATE_FETCH_METHOD = "/swarmnode.WeightService/Fetch"  # node/state_sync.py (not imported: it needs torch)
 
-EXIT_OK, EXIT_ERROR, EXIT_BOOTSTRAP_GAVE_UP, EXIT_ABORT = 0, 1, 4, 130
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_BOOTSTRAP_GAVE_UP, EXIT_ABORT = 0, 1, 2, 4, 130
 
 
 class Node:
@@ -73,11 +73,15 @@ class Node:
                                             "version": VERSION})
         namespaces = [CARD_NAMESPACE, *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
         sec = self.cfg.security
-        self.key, self.admission_token = key, sec.token_bytes() if sec.admission == "token" else None
-        if sec.admission == "token" and self.admission_token is None and self.peer_id != sec.coordinator_peer_id:
-            log.warning("security.admission = 'token' but this node has no admission token: its card will be "
-                        "refused and its calls rejected; ask the coordinator (`swarmnode admit --peer-id %s`) and set "
-                        "security.admission_token_file", self.peer_id, extra={"event": "admission_token_missing"})
+        self.key, self.admission_token = key, None
+        self.admission = None  # our own token, checked: without a valid one the swarm refuses our card and calls
+        if sec.admission == "token":
+            try:
+                self.admission_token = sec.token_bytes()
+                self.admission = check_own_token(self.admission_token, coordinator_peer_id=sec.coordinator_peer_id,
+                                                 run_id=self.cfg.run_id, peer_id=self.peer_id, role=self.cfg.role)
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"security.admission_token: {exc}") from None
         validator = SignedRecordValidator(self.cfg.run_id, key, namespaces, **self._admission_args())
         self.key_path = key_path
         self.membership = Membership(self.cfg, key_path, [validator])
@@ -112,7 +116,7 @@ class Node:
                                       nonce_cache=auth.nonces) if sec.public_state else None
         guard = CallGuard(cfg.limits, auth, open_auth=open_auth,
                           public=[STATE_FETCH_METHOD] if sec.public_state else (),
-                          on_ban=lambda key, reason: self.card.update(banned=len(guard.banned())))
+                          on_ban=lambda key, reason: self.card.update(publish=True, **guard.ban_details()))
         set_client_auth(ClientAuth(CallSigner(self.key, cfg.run_id, token=self.admission_token), known.resolve))
         return guard, known
 
@@ -220,16 +224,29 @@ class Node:
         self._install_signals()
         self.supervisor.spawn("card", self.card.run)
         self.supervisor.spawn("known_peers", self.known_peers.run)
+        self.supervisor.spawn("bans", lambda: guard.publish_bans(self.card.update))
         self.supervisor.spawn("join", self._join_loop)
         watcher = PreemptionWatcher(cfg.preemption, on_notice=self._on_preemption,
                                     on_count=lambda src: metrics.PREEMPTION_NOTICES.labels(source=src).inc())
         self.supervisor.spawn("preemption", watcher.run)
         self.supervisor.spawn("eventbus", self.eventbus.run, restart=False)  # never fatal: see service.py
+        if self.admission is not None:
+            self.supervisor.spawn("admission", self._admission_expiry, restart=False)
         await self.role.start()
         await self._refresh_readiness()
         await self._stop.wait()
         await self.drain(self._trigger)
         return self._exit_code
+
+    async def _admission_expiry(self) -> None:
+        """Token mode: when our admission token expires the swarm drops us (cards and calls are
+        refused), so stop cleanly with exit 2 and say how to get a new one."""
+        await asyncio.sleep(max(0.0, self.admission.expires_at - time.time()))
+        log.error("admission token expired: peers now refuse this node's card and calls; get a new token "
+                  "(`swarmnode admit --peer-id %s`), set security.admission_token_file and restart", self.peer_id,
+                  extra={"event": "admission_expired", "expires_at": self.admission.expires_at})
+        self._exit_code = EXIT_CONFIG
+        self.request_drain("admission_expired")
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()

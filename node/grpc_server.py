@@ -55,6 +55,7 @@ PEER_BANS = Counter("swarmnode_peer_bans_total", "Peers (or remote IPs) banned b
                     "rejected calls.", registry=REGISTRY)
 PEERS_BANNED = Gauge("swarmnode_peers_banned", "Peers or IPs banned right now.", registry=REGISTRY)
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
+MAX_BANNED_IDS = 8  # banned keys named on the node card (all of them count in ``banned``)
 
 
 class GrpcPortInUse(Exception):
@@ -175,6 +176,16 @@ def _is_loopback(ip: str | None) -> bool:
         return ip.startswith("unix")
 
 
+def _bannable(key: Any) -> bool:
+    """A verified peer ID or a non-loopback IP may be banned; a loopback IP never is."""
+    if not isinstance(key, str):
+        return False
+    try:
+        return not ipaddress.ip_address(key).is_loopback
+    except ValueError:
+        return True
+
+
 class KnownPeers:
     """The run's live node cards as this node last read them (``read() -> list[CardView]``,
     refreshed every ``refresh_s`` by :meth:`run`, and soon after a miss). Cards in state
@@ -190,6 +201,8 @@ class KnownPeers:
             self._addrs[own_addr] = own_peer_id
         self._miss = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._waiters = 0
+        self.max_waiters = 8
         self.last_refresh = 0.0
 
     def update(self, views: Iterable[Any]) -> None:
@@ -220,9 +233,14 @@ class KnownPeers:
     async def wait_known(self, peer_id: str, timeout: float = 2.0, min_interval_s: float = 0.5) -> bool:
         """Is ``peer_id`` a live member, re-reading the cards now if the view is older than
         ``min_interval_s``? Re-reads are serialised and spaced, so unknown callers (strangers
-        included) cost at most one DHT read per ``min_interval_s``; waits at most ``timeout``."""
+        included) cost at most one DHT read per ``min_interval_s``; waits at most ``timeout``.
+        At most ``max_waiters`` calls wait at once; beyond that an unknown caller is refused at
+        once, so a flood of strangers cannot hold the server's call slots while they wait."""
         if peer_id in self._peers:
             return True
+        if self._waiters >= self.max_waiters:
+            return False
+        self._waiters += 1
         try:
             async with asyncio.timeout(timeout):
                 async with self._lock:
@@ -232,6 +250,8 @@ class KnownPeers:
             raise
         except Exception as exc:  # noqa: BLE001 - a slow or failing DHT read: refuse, as before
             log.debug("known peers re-read for %s failed: %r", peer_id[-8:], exc)
+        finally:
+            self._waiters -= 1
         return peer_id in self._peers
 
     def resolve(self, addr: str) -> str | None:
@@ -285,6 +305,7 @@ class CallGuard:
         self.pending = ConcurrencyLimiter("first-frame wait", per_peer=max(1, limits.peer_concurrency // 2),
                                           total=max(2, limits.service_concurrency // 2))
         self.rejected: dict[str, int] = {}
+        PEERS_BANNED.set_function(lambda: len(self.bans.banned()))
         for a in (auth, open_auth):
             if a is not None:
                 a.on_reject = self._auth_rejected
@@ -292,7 +313,6 @@ class CallGuard:
     # ---- counting and banning ----
     def _on_ban(self, key, reason: str) -> None:
         PEER_BANS.inc()
-        PEERS_BANNED.set(len(self.bans.banned()))
         log.warning("banned %s for %.0f s after repeated rejected calls (last: %s)", key, self.limits.ban_s, reason,
                     extra={"event": "peer_banned", "key": str(key), "reason": reason})
         if self._on_ban_cb is not None:
@@ -315,9 +335,24 @@ class CallGuard:
             self.count(failure.reason, ip, ban=not _is_loopback(ip))
 
     def banned(self) -> dict[str, float]:
-        out = {str(k): round(v, 1) for k, v in self.bans.banned().items()}
-        PEERS_BANNED.set(len(out))
-        return out
+        """Banned keys (peer IDs, IPs) -> seconds left."""
+        return {str(k): round(v, 1) for k, v in self.bans.banned().items()}
+
+    def ban_details(self) -> dict[str, Any]:
+        """Node-card details that show this node's bans in ``swarmnode status``: ``banned`` (how
+        many) and ``banned_ids`` (the last 8 characters of up to 8 banned peer IDs or IPs)."""
+        keys = sorted(self.banned())
+        return {"banned": len(keys), "banned_ids": ",".join(k[-8:] for k in keys[:MAX_BANNED_IDS])}
+
+    async def publish_bans(self, update: Callable[..., None], period_s: float = 5.0) -> None:
+        """Keep the card's ban details current (new bans and expired ones); supervised by the daemon."""
+        last: dict[str, Any] = {}
+        while True:
+            details = self.ban_details()
+            if details != last:
+                update(publish=True, **details)
+                last = details
+            await asyncio.sleep(period_s)
 
     # ---- wrapping ----
     def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -338,11 +373,15 @@ class CallGuard:
         return lim
 
     async def _refuse(self, context, exc: LimitExceeded, key) -> None:
-        self.count(exc.reason, key, ban=not (isinstance(key, str) and key.count(".") == 3 and _is_loopback(key)))
+        self.count(exc.reason, key, ban=_bannable(key))
         await context.abort(exc.grpc_code, str(exc))
 
     def _screened(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        """Outermost: refuse banned IPs / claimed peers at once; cap streams awaiting their first frame."""
+        """Outermost: refuse banned IPs / claimed peers at once; cap the request streams of each
+        (claimed known peer, remote IP) still awaiting their first, signed, frame. Streams that
+        claim no known peer hold no such slot: the envelope check refuses them before any wait
+        (or admits a peer whose card just appeared), so strangers cannot take members' slots,
+        and an impostor claiming a member's ID only takes the slots of its own IP."""
         guard = self
 
         def screen(context) -> Any:
@@ -351,7 +390,9 @@ class CallGuard:
             for key in (claimed, ip):
                 if key is not None:
                     guard.bans.check(key)
-            return claimed if isinstance(claimed, str) and len(claimed) <= 128 else ip
+            known = guard.auth is not None and guard.auth.is_known_peer is not None and \
+                isinstance(claimed, str) and len(claimed) <= 128 and guard.auth.is_known_peer(claimed)
+            return (claimed, ip) if known else None
 
         return _rewrap(handler, lambda behavior, streaming_request: _screen_behavior(
             guard, behavior, screen, streaming_request and guard.auth is not None))
@@ -398,11 +439,11 @@ def _screen_behavior(guard: CallGuard, behavior, screen, hold_pending: bool):
     async def enter(request, context):
         try:
             key = screen(context)
-            if hold_pending:
+            if hold_pending and key is not None:
                 guard.pending.acquire(key)
         except LimitExceeded as exc:
-            await guard._refuse(context, exc, None)
-        if not hold_pending:
+            await guard._refuse(context, exc, _remote_ip(context))
+        if not hold_pending or key is None:
             return request, None
         return _ReleaseAfterFirst(request, lambda: guard.pending.release(key)), key
 
@@ -542,6 +583,58 @@ class _GuardedGeneric(grpc.GenericRpcHandler):
         return hit[1]
 
 
+def _parse_guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` (unary request) parsing its own request: bytes that are not the method's
+    message get INVALID_ARGUMENT (counted as "body") instead of gRPC's UNKNOWN "Unexpected
+    DecodeError". For the services outside the guard (health), whose parsing nobody else does."""
+    deser = handler.request_deserializer
+    if deser is None or handler.request_streaming:
+        return handler
+
+    async def parse(raw: bytes, context):
+        try:
+            return deser(raw)
+        except Exception:  # noqa: BLE001 - DecodeError and friends
+            RPC_REJECTED.labels(reason="body").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request to {method} is not a valid message")
+
+    def make(behavior, _streaming):
+        if _is_gen(behavior):
+            async def gen(raw, context):
+                async for item in behavior(await parse(raw, context), context):
+                    yield item
+            return gen
+
+        async def coro(raw, context):
+            result = behavior(await parse(raw, context), context)
+            return await result if inspect.isawaitable(result) else result
+        return coro
+    return _rewrap(handler, make)._replace(request_deserializer=None)
+
+
+class _ParseGuarded:
+    """What a generated adder sees for an unguarded service: its handlers parse their own requests."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers):
+        self._server.add_generic_rpc_handlers(tuple(_ParseGuardedGeneric(h) for h in handlers))
+
+    def add_registered_method_handlers(self, service_name, method_handlers):
+        self._server.add_registered_method_handlers(service_name, {
+            name: _parse_guarded(h, f"/{service_name}/{name}") for name, h in method_handlers.items()})
+
+
+class _ParseGuardedGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler):
+        self.inner = inner
+
+    def service(self, handler_call_details):
+        handler = self.inner.service(handler_call_details)
+        return None if handler is None else _parse_guarded(handler, handler_call_details.method)
+
+
 class GrpcHost:
     """Creates the server; ``bind`` then ``start``; health follows the lifecycle. ``guard``
     (a :class:`CallGuard`) protects every service added with :meth:`add`."""
@@ -552,7 +645,7 @@ class GrpcHost:
                                       maximum_concurrent_rpcs=max_concurrent_rpcs,
                                       interceptors=[MetricsInterceptor()])
         self.health = AioHealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, _ParseGuarded(self.server))
         self._services = [health.SERVICE_NAME]
         self.host, self.requested_port = host, port
         self.port = 0

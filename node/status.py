@@ -54,7 +54,18 @@ def card_rows(views: list, now: float | None = None) -> list[dict[str, Any]]:
         hint = bus_reach_hint(c.details)
         if hint:
             rows[-1]["bus_hint"] = hint
+    mark_banned(rows)
     return rows
+
+
+def mark_banned(rows: list[dict[str, Any]]) -> None:
+    """Add ``banned_by`` (how many other nodes ban it) to the rows of peers that other nodes'
+    cards list in ``banned_ids`` (node/grpc_server.py: the last 8 characters of each banned key)."""
+    bans = [(r["peer_id"], set(str(r.get("banned_ids") or "").split(",")) - {""}) for r in rows]
+    for row in rows:
+        n = sum(1 for who, ids in bans if who != row["peer_id"] and row["peer_id"][-8:] in ids)
+        if n:
+            row["banned_by"] = n
 
 
 def bus_reach_hint(details: dict[str, Any]) -> str:
@@ -73,7 +84,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no live nodes in this run (wrong --run-id? cards expire 30 s after a node stops)"
     cols = ["peer_id", "role", "state", "round", "address", "age_s"]
-    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s", "bus_hint"})
+    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s", "bus_hint", "banned_ids"})
     cols += extra
     table = [[str(r.get(c, "")) if c != "peer_id" else str(r[c])[:16] + "…" for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
@@ -87,8 +98,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 class SwarmReader:
     """A client-mode DHT that reads the run's cards; use as a context manager."""
 
-    def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 15.0):
+    def __init__(self, initial_peers: list[str], run_id: str, timeout: float = 15.0, coordinator: str | None = None):
+        """``coordinator``: token mode, list only cards carrying a valid admission token it signed."""
         self.initial_peers, self.run_id, self.timeout = initial_peers, run_id, timeout
+        self.coordinator = coordinator
         self.dht = None
 
     def __enter__(self) -> "SwarmReader":
@@ -97,7 +110,8 @@ class SwarmReader:
         from node.card import CARD_NAMESPACE
         from security.records import SignedRecordValidator
 
-        validator = SignedRecordValidator(self.run_id, None, [CARD_NAMESPACE])
+        validator = SignedRecordValidator(self.run_id, None, [CARD_NAMESPACE], coordinator_peer_id=self.coordinator,
+                                          require_admission=self.coordinator is not None)
         try:
             self.dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[validator],
@@ -131,7 +145,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--initial-peers: {exc}") from None
     run_id = args.run_id or (cfg.run_id if cfg else "swarmnode")
-    with SwarmReader(peers, run_id) as reader:
+    coordinator = args.coordinator or (cfg.security.coordinator_peer_id
+                                       if cfg and cfg.security.admission == "token" else None)
+    if coordinator is not None:
+        from security.keys import RecordRejected, public_key_of
+        try:
+            public_key_of(coordinator)
+        except RecordRejected as exc:
+            raise ConfigError(f"--coordinator {coordinator[:60]!r} is not an Ed25519 peer ID (12D3KooW…): {exc}") \
+                from None
+    with SwarmReader(peers, run_id, coordinator=coordinator) as reader:
         while True:
             rows = card_rows(reader.read())
             if args.json:

@@ -39,8 +39,11 @@ group_average (DiLoCo, everyone): see ``exchange_group.py``. Root = lowest peer 
   read back the one mean it computed; failures -> "failed" (the role re-fetches phi).
 Every await is bounded by the call's deadline (+1 s grace for an exchange in flight). Headers
 are validated (run, cfg_hash, spec hash, sender peer ID, round skew, order); refusals that mark
-a bad or misconfigured peer (COUNTED) and rejected tensors call ``on_reject(reason)``. The
-channel is unauthenticated (no TLS): ``sender`` is a claim, checked for form only.
+a bad or misconfigured peer (COUNTED) and rejected tensors call ``on_reject(reason)``. Calls
+are signed (``security.peer_auth``, wired in by the node's gRPC host): the callee takes the
+caller's verified peer ID over the header's ``sender``, and serves only a caller with a live
+roster entry for the round (``ExchangeLink.in_roster``; refused "not_in_roster", which the
+caller retries). The partner's tensors must pass the link's norm/distance bounds.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class OuterExchange:
         self.link = ExchangeLink(run_id=run_id, peer_id=peer_id, cfg_hash=cfg_hash, grpc_addr=grpc_addr,
                                  specs=checked, netem=netem, max_round_skew=max_round_skew,
                                  poll_interval_s=poll_interval_s, max_message_bytes=max_message_bytes,
-                                 on_reject=on_reject, bounds=bounds)
+                                 on_reject=on_reject, bounds=bounds, roster=self._roster)
         self._pair = PairExchange(self.link, self._roster)
         self._group = GroupExchange(self.link, self._roster)
         self._bg: set[asyncio.Task] = set()  # roster publishes finishing in the background
@@ -123,6 +126,12 @@ class OuterExchange:
         if st is None:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._group.run(st, expected, timeout))
+
+    def charge(self, peers: Sequence[str], reason: str) -> None:
+        """The role found the mean of a round with ``peers`` unusable (its outer step was rolled
+        back): skip them as partners for a while, as if their tensors had been rejected."""
+        for peer in peers:
+            self.link.charge(peer, reason)
 
     async def close(self) -> None:
         """Stop accepting, end pending waits (solo), close client channels."""
@@ -181,4 +190,5 @@ class OuterExchange:
             return {}
         out = {p: e for p, e in roster.items() if p != self.link.peer_id and e.cfg_hash == self.link.cfg_hash}
         self.link.addrs.update((p, e.grpc_addr) for p, e in out.items())
+        st.roster_seen.update(out)
         return out

@@ -99,7 +99,7 @@ HANDSHAKE_S = 3.5        # caller waits this long for the reply header (> LOCK_W
 # two frames) are protocol.streams'.
 GRACE_S = 1.0            # extra wait for an exchange already in flight at the deadline
 PUBLISH_WAIT_S = 0.5     # pair mode: wait at most this long for our roster entry before the first read
-RETRY = frozenset({"busy"})
+RETRY = frozenset({"busy", "not_in_roster"})  # the callee may not have seen our roster entry yet
 COUNTED = frozenset({"run", "cfg_hash", "specs", "sender", "order", "mode", "stale", "future", "malformed"})
 OK, SOLO, FAILED = "ok", "solo", "failed"
 
@@ -138,6 +138,8 @@ class Round:
     members: list[str] = field(default_factory=list)
     sends: dict[str, asyncio.Future] = field(default_factory=dict)
     received: int = 0
+    roster_seen: set[str] = field(default_factory=set)  # peers our roster reads listed this round
+    roster_read: asyncio.Task | None = None     # the servicer's last re-read (ExchangeLink.in_roster)
 
 
 # ----------------------------------------------------------------------------- tensor bounds

@@ -37,7 +37,7 @@ class ExchangeLink:
                  specs: Sequence[C.Spec], netem: LinkEmulator | None, max_round_skew: int,
                  poll_interval_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
-                 distrust_rounds: int = 10):
+                 distrust_rounds: int = 10, roster: "Roster | None" = None):
         self.specs = list(specs)
         self.names = [s[0] for s in self.specs]
         self.run_id, self.peer_id, self.cfg_hash, self.grpc_addr = run_id, peer_id, cfg_hash, grpc_addr
@@ -56,6 +56,7 @@ class ExchangeLink:
         self.bounds = bounds                   # None: codec checks only (no norm/distance bounds)
         self.distrust_rounds = int(distrust_rounds)
         self.distrusted: dict[str, int] = {}   # peer ID -> last round it is refused/skipped
+        self.roster = roster                   # async (round state) -> roster view; None: no roster check
 
     # ------------------------------------------------------------------ frames and calls
     def hdr(self, wire: bool, st: C.Round | None, stage: str, accepted: bool = True, reason: str = "",
@@ -144,6 +145,20 @@ class ExchangeLink:
         if len(self.distrusted) > 4096:  # bounded: forget the oldest charges
             for p, _ in sorted(self.distrusted.items(), key=lambda kv: kv[1])[:1024]:
                 del self.distrusted[p]
+
+    async def in_roster(self, st: C.Round, peer: str) -> bool:
+        """Does ``peer`` have a live roster entry for ``st.round`` (with our cfg_hash)? Answered
+        from this round's roster reads; a peer not seen yet costs one fresh read, shared by
+        concurrent callers and bounded by ``LOCK_WAIT_S``. Always True without a roster reader."""
+        if self.roster is None or peer in st.roster_seen:
+            return True
+        if st.roster_read is None or st.roster_read.done():
+            st.roster_read = asyncio.ensure_future(self.roster(st))
+        try:
+            await asyncio.wait_for(asyncio.shield(st.roster_read), C.LOCK_WAIT_S)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a slow or failed read: not seen
+            pass
+        return peer in st.roster_seen
 
     def is_distrusted(self, peer: str, round: int) -> bool:  # noqa: A002 - the protocol's word
         until = self.distrusted.get(peer)

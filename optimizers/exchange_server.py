@@ -1,7 +1,8 @@
 """The callee's side of the outer exchange: the ``swarmnode.NoLoCo/Exchange`` servicer.
 
 Checks every "open" header (run, cfg_hash, sender form, mode, spec hash, round skew, order),
-then serves a pair (claim the match under the link's lock, stream both ways, mean, "done") or
+that the signed caller is the header's sender, and that it has a live roster entry for the
+round (``ExchangeLink.in_roster``: a peer that never announced itself cannot pair), then serves a pair (claim the match under the link's lock, stream both ways, mean, "done") or
 a gather contribution (the root collects it, then streams the group mean back once
 ``exchange_group.GroupExchange`` has computed it). Refusals answer a "reply"(accepted=false)
 header then a gRPC status; see ``optimizers/exchange.py`` for the protocol and ops.md §10 for
@@ -23,7 +24,6 @@ from protocol import noloco_pb2_grpc
 from protocol.codec import TensorRejected
 from protocol.streams import OPEN_WAIT_S, PeerError, Refused, remaining, task
 from security.keys import public_key_of
-from security.peer_auth import current_peer
 from security.peer_auth import current_peer
 
 __all__ = ["NoLoCoServicer", "add_exchange_to_server"]
@@ -98,6 +98,9 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
             if verified is not None and verified != h.sender:
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED, "sender", f"header names ...{h.sender[-8:]} but "
                               f"the call is signed by ...{verified[-8:]}")
+            if not await L.in_roster(st, h.sender):  # issue 7: partners come from the round's live roster
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "not_in_roster",
+                              f"...{h.sender[-8:]} has no live roster entry for round {h.round}; publish one first")
             if h.mode == "pair":
                 await self._claim(st, h.sender)
         except PeerError:

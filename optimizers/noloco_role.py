@@ -449,6 +449,8 @@ class NoLoCoRole(RoleBase):
         # ---- checks/rollback region (S2): a non-finite or out-of-bound outer step is undone
         why = await self.compute.run(self._outer_result_problem, norm)
         if why is not None:
+            if n > 1:  # the partners' contribution made the step bad: do not pair with them for a while
+                self.exchange.charge(res.partners, "rollback")
             await self._roll_back(rnd, why, outcome, reason)
             return
         if self._bad_rounds:
@@ -535,6 +537,9 @@ class NoLoCoRole(RoleBase):
         re-download the state from a peer (then ready again)."""
         await self.compute.run(self._restore_good)
         self._bad_rounds += 1
+        if outcome != "ok" and why.startswith("out_of_bound"):  # no partner took part: our own step
+            why += ("; this was a solo step, so if honest rounds keep hitting this, raise "
+                    "noloco.max_update_ratio")
         M.OUTER_ROUNDS.labels(outcome="failed").inc()
         M.SOLO_ROUNDS.labels(reason="rolled_back").inc()
         log.error("outer step of round %d was %s (exchange: %s %s): rolled back to round %d's state", rnd, why,

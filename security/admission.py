@@ -37,7 +37,7 @@ from security.keys import RecordRejected, peer_id_str, public_key_of, verify
 __all__ = [
     "AdmissionToken", "AdmissionRejected", "REASONS", "DEFAULT_TTL_S", "MAX_TOKEN_BYTES",
     "issue_token", "verify_token", "decode_token", "encode_b64", "decode_b64", "parse_expires",
-    "token_check", "cmd_admit",
+    "token_check", "check_own_token", "cmd_admit",
 ]
 
 _DOMAIN = b"swarmnode/admission/v1\x00"
@@ -171,6 +171,25 @@ def token_check(*, coordinator_peer_id: str, run_id: str, role: str | None = Non
         return verify_token(blob, coordinator_peer_id=coordinator_peer_id, run_id=run_id, peer_id=peer_id,
                             role=role, now=clock(), revoked_serials=revoked_serials())
     return check
+
+
+def check_own_token(blob: bytes | None, *, coordinator_peer_id: str, run_id: str, peer_id: str, role: str,
+                    now: float | None = None) -> AdmissionToken | None:
+    """A node's own token, checked before it touches the network (token mode). None for the
+    coordinator itself (it needs none); ValueError saying what to do for a missing, foreign,
+    expired or wrong-role token."""
+    if peer_id == coordinator_peer_id:
+        return None
+    if blob is None:
+        raise ValueError(f"security.admission = 'token' but this node has no admission token: ask the coordinator "
+                         f"for one (`swarmnode admit --peer-id {peer_id} --run-id {run_id} --roles {role} "
+                         "--identity <coordinator key>`) and set security.admission_token_file (or "
+                         "SWARMNODE_SECURITY__ADMISSION_TOKEN)")
+    try:
+        return verify_token(blob, coordinator_peer_id=coordinator_peer_id, run_id=run_id, peer_id=peer_id,
+                            role=role, now=now)
+    except AdmissionRejected as exc:
+        raise ValueError(f"security.admission_token is not usable ({exc.reason}): {exc}") from None
 
 
 def encode_b64(blob: bytes) -> str:

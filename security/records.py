@@ -279,8 +279,9 @@ class SignedRecordValidator(RecordValidatorBase):
         if env is None or set(env) - {"t"} != {"v", "k", "p", "s"} or not isinstance(env["p"], bytes) \
                 or not isinstance(env["s"], bytes) or len(env["s"]) != 64:
             raise _Reject("malformed", f"not a signed swarmnode envelope in {ns.name!r}")
+        token = None
         if self.require_admission and subkey != self.coordinator_peer_id:
-            self._check_admission(env.get("t"), subkey, ns)
+            token = self._check_admission(env.get("t"), subkey, ns, record.expiration_time)
         if ns.coordinator_only and subkey != self.coordinator_peer_id:
             raise _Reject("coordinator", f"{ns.name!r} is coordinator-only; writer {subkey[:16]}...")
         if record.expiration_time > get_dht_time() + ns.max_ttl_s + EXPIRATION_SLACK_S:
@@ -293,20 +294,34 @@ class SignedRecordValidator(RecordValidatorBase):
         except InvalidSignature:
             raise _Reject("signature", f"bad signature for writer {subkey[:16]}... in {ns.name!r}") from None
         try:
-            _load_model(env["p"], ns.model)
+            payload = _load_model(env["p"], ns.model)
         except Exception as exc:  # noqa: BLE001
             raise _Reject("schema", f"payload does not match {ns.model.__name__}: "
                                     f"{str(exc).splitlines()[0][:200]}") from None
+        role = getattr(payload, "role", None)  # a node card names its writer's role: the token must allow it
+        if token is not None and isinstance(role, str) and not token.allows_role(role):
+            raise _Reject("admission", f"record in {ns.name!r} by ...{subkey[-8:]} claims role {role!r}; its "
+                                       f"admission token allows {list(token.roles)}")
 
-    def _check_admission(self, token: Any, writer: str, ns: Namespace) -> None:
+    def _check_admission(self, token: Any, writer: str, ns: Namespace, expiration_time: float):
+        """The writer's token, valid at the record's time: ``min(now, expiration_time)``, and the
+        record may not outlive it. So a record never turns invalid while peers store it (it
+        expires with its token), which matters because hivemind drops a whole subkey dictionary
+        (every card of ``<run>/nodes``) when one entry in it fails validation."""
         from security.admission import AdmissionRejected, verify_token
         if not isinstance(token, bytes):
             raise _Reject("admission", f"record in {ns.name!r} by ...{writer[-8:]} carries no admission token "
                                        "(this run is in token mode)")
         try:
-            verify_token(token, coordinator_peer_id=self.coordinator_peer_id, run_id=self.run_id, peer_id=writer)
+            tok = verify_token(token, coordinator_peer_id=self.coordinator_peer_id, run_id=self.run_id,
+                               peer_id=writer, now=min(get_dht_time(), expiration_time))
         except AdmissionRejected as exc:
             raise _Reject("admission", f"record in {ns.name!r} by ...{writer[-8:]}: {exc}") from None
+        if expiration_time > tok.expires_at + EXPIRATION_SLACK_S:
+            raise _Reject("admission", f"record in {ns.name!r} by ...{writer[-8:]} expires "
+                                       f"{expiration_time - tok.expires_at:.0f} s after its admission token; "
+                                       "renew the token (swarmnode admit)")
+        return tok
 
     def _count(self, reason: str, detail: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1

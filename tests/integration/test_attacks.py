@@ -1,15 +1,22 @@
 """Issue 7's open-swarm attacks replayed on real processes: a bootstrap and two ``noloco``
-workers on 127.0.0.1 (OS processes), and an attacker in this process, a stranger with a fresh
-key: a hivemind DHT client that signs its own records (node card, roster entries) and a gRPC
-server running the exchange protocol with tensors of its choosing (its calls are signed with
-its own key, as any open-swarm member's would be).
+workers on 127.0.0.1 (OS processes), and attackers in this process (``hostile.Attacker``): a
+hivemind DHT client that signs its own records (node card, roster entries), gRPC calls signed
+with its own key, and a gRPC server running the exchange with tensors of its choosing.
 
+(0) honest records (cards, roster entries) are never counted as rejected by any node;
 (a) a self-signed node card claiming an absurd round: no worker adopts it, both stay listed;
 (b) a pairing partner serving finite but huge tensors: rejected ("norm"), honest weights do not
-    move, eval loss stays finite, training goes on, /readyz says ready (truthfully: the model is fine);
-(c) a NaN partner: rejected ("nonfinite"), the round is solo, nothing changes.
+    move, eval loss stays finite, training goes on, /readyz says ready (truthfully);
+(c) a NaN partner: rejected ("nonfinite"), the round is solo, nothing changes;
+(d) a partner inside the tensor bounds whose mean still makes an out-of-bound outer step: the
+    worker rolls back, /readyz says not-ready ("recovering") until a good step, then ready;
+(e) strangers (no card) cannot call ``Node.Info``, download the state or pair; 64 idle streams
+    that never send a frame hold no slot an honest call needs;
+(f) the flood test: a member calls at 10x ``limits.peer_rps`` and holds idle streams: honest
+    calls succeed within their deadlines, the workers' rounds keep their pace within 20%, and
+    the flooder is banned (metrics, and ``swarmnode status`` marks it).
 
-The swarm is shared by the three tests (module fixture); each test is bounded well under 90 s.
+The swarm is shared by the tests (module fixture); each test is bounded well under 90 s.
 """
 
 from __future__ import annotations
@@ -17,138 +24,42 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import subprocess
-import sys
 import threading
 import time
 
 import grpc
-import hivemind
 import pytest
 import torch
 
-from models.config import ModelConfig
-from models.hf_adapter import build_from_config
-from node.card import CARD_NAMESPACE, NodeCard, cards_key, read_cards
-from node.dht_records import store_entry
-from node.localswarm import LocalSwarm, NodeProc
-from optimizers.exchange import OuterExchange, add_exchange_to_server
-from optimizers.roster import ROSTER_NAMESPACE
-from protocol.grpc_options import server_options
-from security.keys import generate_key, peer_id_str, write_key_file
-from security.peer_auth import CallSigner, ClientAuth, client_auth, set_client_auth
-from security.records import SignedRecordValidator
+from node.localswarm import LocalSwarm
+from node.state_sync import StateFetchError, fetch_state
+from optimizers.exchange_common import METHOD as EXCHANGE
+from protocol import node_pb2, node_pb2_grpc
+from security.keys import generate_key, load_key_file
+from security.peer_auth import CallSigner, ClientAuth, client_auth, client_interceptors, set_client_auth
+from tests.integration.hostile import Attacker, metric, model_specs, status_rows, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 RUN = "attack-it"
 MODEL = dict(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+PEER_RPS = 25
 COMMON = [
     "noloco.inner_steps=6", "noloco.round_timeout=4", "noloco.eval_every=1", "noloco.eval_batches=2",
     "noloco.torch_threads=1", "noloco.checkpoint_every=0", "noloco.inner.lr=0.003", "noloco.inner.warmup=10",
+    # rounds of ~1 s (an accelerator's step time, not this machine's CPU): an attacker can meet a
+    # worker in its round, and the pace of (f) measures the swarm, not the CPUs the test shares
+    "noloco.compute_delay_s=0.1",
+    # (d): honest outer steps move phi by up to ~17% of its norm here (solo rounds early on); the
+    # poison of (d) fits these looser tensor bounds and moves it by ~85%
+    "noloco.max_norm_ratio=6", "noloco.max_distance_ratio=3", "noloco.max_update_ratio=0.5",
     *(f"model.{k}={v}" for k, v in MODEL.items()),
     "data.seq_len=64", "data.batch_size=8", "data.max_train_bytes=1000000", "data.max_val_bytes=100000",
     "card.ttl_s=10", "card.refresh_s=2", "drain.budget_s=10",
+    f"limits.peer_rps={PEER_RPS}", "security.known_peers_refresh_s=2",
 ]
 ABSURD_ROUND = 10 ** 12
-
-
-def metric(node: NodeProc, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    return sum(v for k, v in node.metrics().items()
-               if k == name or (k.startswith(name + "{") and (not want or want in k)))
-
-
-def wait_for(pred, timeout: float, what: str, poll: float = 0.5):
-    t0 = time.monotonic()
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
-
-
-def status_rows(swarm: LocalSwarm) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "node.cli", "status", "--initial-peers", swarm.bootstrap_maddr,
-                          "--run-id", swarm.run_id, "--json"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-class Attacker:
-    """A stranger to the swarm (fresh key), with its own event loop in a thread."""
-
-    def __init__(self, swarm: LocalSwarm, tmp, name: str):
-        self.key = generate_key()
-        self.peer_id = peer_id_str(self.key)
-        path = write_key_file(tmp / f"{name}.key", self.key)
-        self.dht = hivemind.DHT(initial_peers=[swarm.bootstrap_maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                identity_path=str(path), check_if_identity_free=False, start=True,
-                                record_validators=[SignedRecordValidator(RUN, self.key,
-                                                                         [CARD_NAMESPACE, ROSTER_NAMESPACE])])
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.addr, self.ex, self.server, self.results = "127.0.0.1:1", None, None, []
-        self._stop = threading.Event()
-        self._task = None
-
-    def run(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    async def cards(self):
-        return await read_cards(self.dht, RUN, timeout=5.0)
-
-    async def publish_card(self, round_: int, cfg_hash: str) -> bool:
-        card = NodeCard(role="noloco", state="ready", version="0.1.0", grpc_addr=self.addr, started_at=time.time(),
-                        published_at=time.time(), details={"cfg_hash": cfg_hash, "round": round_, "outer": "noloco"})
-        return await store_entry(self.dht, cards_key(RUN), self.peer_id, card, 30.0)
-
-    async def _serve(self, cfg_hash: str, specs):
-        self.server = grpc.aio.server(options=server_options())
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        self.addr = f"127.0.0.1:{port}"
-        self.ex = OuterExchange(run_id=RUN, peer_id=self.peer_id, cfg_hash=cfg_hash, grpc_addr=self.addr,
-                                dht=self.dht, specs=specs, poll_interval_s=0.1)  # no bounds: it takes anything
-        add_exchange_to_server(self.ex.servicer(), self.server)
-        await self.server.start()
-
-    async def _pair_loop(self, cfg_hash: str, tensors):
-        while not self._stop.is_set():
-            try:
-                views = [v for v in await self.cards() if v.card.role == "noloco" and v.peer_id != self.peer_id]
-            except Exception:  # noqa: BLE001 - retry the read
-                await asyncio.sleep(0.2)
-                continue
-            rounds = [v.card.details.get("round") for v in views if isinstance(v.card.details.get("round"), int)]
-            if not rounds:
-                await asyncio.sleep(0.2)
-                continue
-            r = max(rounds)
-            await self.publish_card(r, cfg_hash)  # a live card and roster entry, as S1's open mode asks
-            self.results.append(await self.ex.pair_average(r, [t.clone() for t in tensors], 4.0))
-
-    def start_partner(self, cfg_hash: str, specs, tensors) -> None:
-        """Serve ``tensors`` as a pairing partner in the workers' current round, round after round."""
-        self.run(self._serve(cfg_hash, specs))
-        self._task = asyncio.run_coroutine_threadsafe(self._pair_loop(cfg_hash, tensors), self.loop)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._task is not None:
-            try:
-                self._task.result(15)
-            except Exception:  # noqa: BLE001 - the loop's last exchange may fail as we stop
-                pass
-        if self.ex is not None:
-            self.run(self.ex.close())
-        if self.server is not None:
-            self.run(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.dht.shutdown()
+INFO = "/swarmnode.Node/Info"
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +81,7 @@ def swarm(tmp_path_factory):
 def signed_calls():
     """The attacker's calls carry a valid signature with its own key (a stranger is not 'unsigned')."""
     before = client_auth()
-    yield lambda attacker, swarm: set_client_auth(ClientAuth(CallSigner(attacker.key, RUN), _resolver(swarm)))
+    yield lambda attacker, swarm: set_client_auth(ClientAuth(attacker.signer, _resolver(swarm)))
     set_client_auth(before)
 
 
@@ -179,25 +90,14 @@ def _resolver(swarm: LocalSwarm):
     return by_addr.get
 
 
-def worker_cfg_hash(attacker: Attacker, swarm) -> str:
-    def find():
-        views = attacker.run(attacker.cards())
-        hashes = {v.card.details.get("cfg_hash") for v in views if v.peer_id in {w.peer_id for w in swarm.workers}}
-        hashes.discard(None)
-        return hashes.pop() if len(hashes) == 1 else None
-    return wait_for(find, 30, "the workers' cfg_hash in their cards")
-
-
-def exchange_specs(cfg_hash: str):
-    model = build_from_config(ModelConfig(**MODEL), seed=0)
-    init = [p.detach().clone() for _, p in model.named_parameters()]
-    specs = [(n, torch.float32, tuple(p.shape)) for n, p in model.named_parameters()]
-    return specs, init
+def rounds(swarm) -> dict[str, float]:
+    return {w.name: metric(w, "swarmnode_outer_round") for w in swarm.workers}
 
 
 def healthy(swarm, rounds_before: dict[str, float], more: int = 2) -> None:
     """Every worker: ready, kept training (``more`` rounds), finite eval loss not worse than at its
-    start, outer update norm small (the attack never moved the weights)."""
+    start, outer update norm small (the attack never moved the weights): honest steps here are
+    below ~2 (solo rounds; ||phi|| ~ 10-25), an accepted (b) partner would give ~1e4, (c) NaN."""
     for w in swarm.workers:
         wait_for(lambda: metric(w, "swarmnode_outer_round") >= rounds_before[w.name] + more, 60,
                  f"{w.name} to train {more} more rounds")
@@ -206,16 +106,27 @@ def healthy(swarm, rounds_before: dict[str, float], more: int = 2) -> None:
         ev, ev0 = metric(w, "swarmnode_eval_loss"), metric(w, "swarmnode_eval_loss_initial")
         assert math.isfinite(ev) and ev <= ev0 + 0.05, f"{w.name}: eval loss {ev} (started at {ev0})"
         upd = metric(w, "swarmnode_outer_update_norm")
-        assert math.isfinite(upd) and upd < 1.0, f"{w.name}: outer update norm {upd}"
+        assert math.isfinite(upd) and upd < 5.0, f"{w.name}: outer update norm {upd}"
         assert w.alive()
+
+
+def test_honest_records_are_never_rejected(swarm):
+    """Every record an honest node writes (cards; the workers' roster entries, stored on the
+    bootstrap too) is in a registered namespace with its schema: no node counts one as rejected."""
+    wait_for(lambda: all(metric(w, "swarmnode_outer_round") >= 2 for w in swarm.workers), 60, "two rounds")
+    for node in (swarm.boot, *swarm.workers):
+        m = node.metrics()
+        assert "swarmnode_dht_peers" in m, f"{node.name}: the DHT probe did not answer, so 0 would prove nothing"
+        rejected = {k: v for k, v in m.items() if k.startswith("swarmnode_dht_records_rejected_total")}
+        assert not any(rejected.values()), f"{node.name} rejected honest records: {rejected}"
 
 
 def test_absurd_round_in_a_self_signed_card_is_never_adopted(swarm, tmp_path):
     t0 = time.monotonic()
     attacker = Attacker(swarm, tmp_path, "forger")
     try:
-        cfg_hash = worker_cfg_hash(attacker, swarm)
-        before = {w.name: metric(w, "swarmnode_outer_round") for w in swarm.workers}
+        cfg_hash = attacker.worker_cfg_hash(swarm.workers)
+        before = rounds(swarm)
         assert attacker.run(attacker.publish_card(ABSURD_ROUND, cfg_hash)), "the DHT refused the forged card"
         # the card provably is in the DHT (well-signed by its own writer: it passes the validator)
         wait_for(lambda: any(v.peer_id == attacker.peer_id and v.card.details.get("round") == ABSURD_ROUND
@@ -241,14 +152,13 @@ def _partner_attack(swarm, tmp_path, signed_calls, poison, reason: str):
     attacker = Attacker(swarm, tmp_path, f"partner-{reason}")
     signed_calls(attacker, swarm)
     try:
-        cfg_hash = worker_cfg_hash(attacker, swarm)
-        specs, init = exchange_specs(cfg_hash)
+        cfg_hash = attacker.worker_cfg_hash(swarm.workers)
+        specs, init = model_specs(MODEL)
         rejected0 = sum(metric(w, "swarmnode_tensors_rejected_total", reason=reason) for w in swarm.workers)
         attacker.start_partner(cfg_hash, specs, poison(init))
         wait_for(lambda: sum(metric(w, "swarmnode_tensors_rejected_total", reason=reason)
                              for w in swarm.workers) > rejected0, 60, f"a worker to reject the attacker ({reason})")
-        before = {w.name: metric(w, "swarmnode_outer_round") for w in swarm.workers}
-        healthy(swarm, before, more=2)
+        healthy(swarm, rounds(swarm), more=2)
     finally:
         attacker.close()
     streamed = [r for r in attacker.results if r.sent_bytes > 0]
@@ -264,3 +174,258 @@ def test_huge_finite_partner_tensors_are_rejected(swarm, tmp_path, signed_calls)
 def test_nan_partner_gives_a_solo_round(swarm, tmp_path, signed_calls):
     _partner_attack(swarm, tmp_path, signed_calls,
                     lambda init: [torch.full_like(t, float("nan")) for t in init], "nonfinite")
+
+
+class ReadyzLog:
+    """Samples every worker's /readyz every 50 ms in a thread."""
+
+    def __init__(self, workers):
+        self.workers, self.samples, self._stop = workers, {w.name: [] for w in workers}, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            for w in self.workers:
+                r = w.readyz()
+                if r is not None:
+                    self.samples[w.name].append((r.get("ready"), r.get("reason")))
+            time.sleep(0.05)
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(5)
+
+
+def test_in_bound_poison_is_rolled_back_and_readyz_tells_the_truth(swarm, tmp_path, signed_calls):
+    """The attacker downloads a worker's current weights (any member may) and pairs with noise of
+    2.5x each tensor's RMS added: RMS ratios 2.7 (bound 6), distance 2.5x our norm (bound 3x), so
+    the exchange accepts it, but the outer step it causes moves phi by ~85% of its norm (bound
+    50%): the worker rolls back to its last good state, reports not-ready ("recovering"),
+    charges the partner, and is ready again after its next good round."""
+    t0 = time.monotonic()
+    g = torch.Generator().manual_seed(7)
+
+    def poison(current):
+        return [t + 2.5 * t.pow(2).mean().sqrt() * torch.randn(t.shape, generator=g) for t in current]
+
+    attacker = Attacker(swarm, tmp_path, "inbound")
+    signed_calls(attacker, swarm)
+    probe = ReadyzLog(swarm.workers)
+    rollbacks = lambda: sum(metric(w, "swarmnode_outer_solo_rounds_total", reason="rolled_back")  # noqa: E731
+                            for w in swarm.workers)
+    try:
+        cfg_hash = attacker.worker_cfg_hash(swarm.workers)
+        specs, _ = model_specs(MODEL)
+        assert attacker.run(attacker.publish_card(None, cfg_hash))  # a member may download the state
+
+        def download():
+            try:
+                return attacker.run(attacker.fetch_weights(swarm.workers[0], specs, cfg_hash))
+            except StateFetchError:
+                return None
+        current = wait_for(download, 20, "the attacker to download a worker's weights")
+        before = rollbacks()
+        attacker.start_partner(cfg_hash, specs, poison(current))
+        wait_for(lambda: rollbacks() > before, 60, "a worker to roll back the poisoned outer step")
+        attacker.close()
+        healthy(swarm, rounds(swarm), more=2)  # recovered: ready, finite eval loss, small updates
+    finally:
+        attacker.close()
+        probe.stop()
+    assert any(r.outcome == "ok" for r in attacker.results), "the poison never passed the exchange bounds"
+    victims = [w for w in swarm.workers if '"event": "outer_rollback"' in w.log_text()]
+    assert victims, "no worker logged its rollback"
+    for w in victims:
+        assert (False, "recovering") in probe.samples[w.name], f"{w.name} never said not-ready while recovering"
+        assert '"event": "recovered"' in w.log_text() or '"event": "resume"' in w.log_text()
+        assert probe.samples[w.name][-1] == (True, "ready"), probe.samples[w.name][-5:]
+    assert time.monotonic() - t0 < 90
+
+
+async def _call_info(channel) -> grpc.StatusCode:
+    try:
+        await node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=2)
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+
+
+async def _idle_streams(attacker: Attacker, node, n: int, signer: CallSigner, hold_s: float) -> list:
+    """Open ``n`` NoLoCo.Exchange streams to ``node`` that never send a frame (signed metadata,
+    so each claims a peer); return each stream's final status code."""
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{node.grpc_port}")
+    method = channel.stream_stream(EXCHANGE)
+    calls = [method(metadata=signer.metadata(EXCHANGE, node.peer_id, b"\0" * 32), timeout=hold_s) for _ in range(n)]
+
+    async def end(call):
+        try:
+            await call.read()
+            return await call.code()
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    codes = await asyncio.gather(*(end(c) for c in calls))
+    await channel.close()
+    return codes
+
+
+def test_strangers_cannot_call_download_or_pair_and_idle_streams_hold_nothing(swarm, tmp_path):
+    t0 = time.monotonic()
+    w0, w1 = swarm.workers
+    stranger = Attacker(swarm, tmp_path, "stranger")  # publishes no card: not a member
+    member = Attacker(swarm, tmp_path, "idler")       # a member (live card) that opens idle streams
+    boot_signer = CallSigner(load_key_file(swarm.boot.identity), RUN)
+    try:
+        cfg_hash = member.worker_cfg_hash(swarm.workers)
+        assert member.keep_card(None, cfg_hash, role="bootstrap")
+        specs, init = model_specs(MODEL)
+        denied0 = metric(w0, "swarmnode_rpc_rejected_total", reason="unknown_peer")
+
+        async def stranger_calls():
+            ch = stranger.channel(w0)
+            info = await _call_info(ch)
+            call = ch.stream_stream(EXCHANGE)(iter([b"\x0a\x00"]), timeout=3)  # any first frame: signed
+            try:
+                await call.read()
+                pair = await call.code()
+            except grpc.aio.AioRpcError as exc:
+                pair = exc.code()
+            await ch.close()
+            set_client_auth(ClientAuth(stranger.signer, lambda addr: w0.peer_id))
+            try:
+                await fetch_state(f"127.0.0.1:{w0.grpc_port}", RUN, stranger.peer_id, cfg_hash,
+                                  {n: (d, s) for n, d, s in specs}, timeout=10)
+                fetch = "downloaded"
+            except StateFetchError as exc:
+                fetch = str(exc)
+            finally:
+                set_client_auth(None)
+            return info, pair, fetch
+        info, pair, fetch = stranger.run(stranger_calls())
+        assert info == grpc.StatusCode.PERMISSION_DENIED
+        assert pair == grpc.StatusCode.PERMISSION_DENIED
+        assert "PERMISSION_DENIED" in fetch and "node card" in fetch, fetch
+        assert metric(w0, "swarmnode_rpc_rejected_total", reason="unknown_peer") >= denied0 + 3
+
+        # 64 idle streams from the member and 64 from strangers' fresh keys, held ~6 s, while an
+        # honest member (the bootstrap's key) calls Info and the workers go on pairing
+        before = rounds(swarm)
+        strangers = [CallSigner(generate_key(), RUN) for _ in range(8)]
+
+        async def siege():
+            idle = asyncio.ensure_future(_idle_streams(member, w0, 64, member.signer, hold_s=8))
+            idle_s = [asyncio.ensure_future(_idle_streams(member, w0, 8, s, hold_s=8)) for s in strangers]
+            honest, t_end = [], time.monotonic() + 6
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{w0.grpc_port}",
+                                                 interceptors=client_interceptors(boot_signer, w0.peer_id)) as ch:
+                while time.monotonic() < t_end:
+                    t = time.monotonic()
+                    honest.append((await _call_info(ch), time.monotonic() - t))
+                    await asyncio.sleep(0.2)
+            return await idle, [c for f in idle_s for c in await f], honest
+        idle_codes, stranger_codes, honest = member.run(siege(), timeout=60)
+        assert all(code == grpc.StatusCode.OK and dt < 2.0 for code, dt in honest), honest
+        assert len(honest) >= 20
+        # the member's streams: at most the per-peer first-frame cap waited; all ended with an error
+        assert idle_codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) <= 4, idle_codes
+        assert idle_codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 60, idle_codes
+        assert all(c == grpc.StatusCode.PERMISSION_DENIED for c in stranger_codes), stranger_codes
+        healthy(swarm, before, more=2)
+        assert w1.alive()
+    finally:
+        stranger.close()
+        member.close()
+    assert time.monotonic() - t0 < 90
+
+
+
+def test_flooder_is_banned_and_honest_rounds_keep_pace(swarm, tmp_path):
+    """A member sends 10x ``limits.peer_rps`` to a worker's Node.Info and keeps re-opening idle
+    Exchange streams for WINDOW seconds. Honest calls (the bootstrap's key) all succeed within
+    their 2 s deadline, both workers train within 20% of the pace of the WINDOW before, and the
+    flooder is banned: ``swarmnode_peer_bans_total``, ``swarmnode_peers_banned``, its calls
+    refused as banned, and ``swarmnode status`` marks it ``banned_by``."""
+    window = 20.0
+    w0, _ = swarm.workers
+    flooder = Attacker(swarm, tmp_path, "flooder")
+    boot_signer = CallSigner(load_key_file(swarm.boot.identity), RUN)
+    try:
+        cfg_hash = flooder.worker_cfg_hash(swarm.workers)
+        assert flooder.keep_card(None, cfg_hash, role="bootstrap")
+
+        async def known():  # the flood must come from a member: rate limits, not "unknown peer"
+            async with flooder.channel(w0) as ch:
+                return await _call_info(ch) == grpc.StatusCode.OK
+        wait_for(lambda: flooder.run(known()), 30, "w0 to know the flooder's card")
+        bans0 = metric(w0, "swarmnode_peer_bans_total")
+        t0, r0 = time.monotonic(), rounds(swarm)
+        time.sleep(window)
+        t1, r1 = time.monotonic(), rounds(swarm)
+
+        async def flood():
+            codes: dict = {}
+            honest: list = []
+            t_end = time.monotonic() + window
+            ch = flooder.channel(w0)
+            inflight: set = set()
+
+            async def one():
+                code = await _call_info(ch)
+                codes[code] = codes.get(code, 0) + 1
+
+            async def pace_honest():
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{w0.grpc_port}",
+                                                     interceptors=client_interceptors(boot_signer, w0.peer_id)) as hc:
+                    while time.monotonic() < t_end:
+                        t = time.monotonic()
+                        honest.append((await _call_info(hc), time.monotonic() - t))
+                        await asyncio.sleep(0.25)
+
+            async def idle_waves():
+                while time.monotonic() < t_end - 1:
+                    await _idle_streams(flooder, w0, 16, flooder.signer, hold_s=min(6.0, t_end - time.monotonic()))
+
+            side = [asyncio.ensure_future(pace_honest()), asyncio.ensure_future(idle_waves())]
+            sent, t_start = 0, time.monotonic()
+            while time.monotonic() < t_end:
+                due = int((time.monotonic() - t_start) * PEER_RPS * 10)
+                while sent < due and len(inflight) < 256:
+                    task = asyncio.ensure_future(one())
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+                    sent += 1
+                await asyncio.sleep(0.004)
+            await asyncio.gather(*inflight, *side)
+            await ch.close()
+            return sent, codes, honest
+        sent, codes, honest = flooder.run(flood(), timeout=window + 30)
+        t2, r2 = time.monotonic(), rounds(swarm)
+
+        assert sent >= PEER_RPS * 10 * window * 0.9, f"the flooder sent only {sent} calls in {window:.0f} s"
+        assert codes.get(grpc.StatusCode.PERMISSION_DENIED, 0) > sent * 0.8, codes  # banned early on
+        assert len(honest) >= window * 2 and all(c == grpc.StatusCode.OK and dt < 2.0 for c, dt in honest), honest
+        for w in swarm.workers:
+            before = (r1[w.name] - r0[w.name]) / (t1 - t0)
+            during = (r2[w.name] - r1[w.name]) / (t2 - t1)
+            assert before > 0 and during >= 0.8 * before, f"{w.name}: {before:.3f} rounds/s before, {during:.3f} during"
+        assert metric(w0, "swarmnode_peer_bans_total") >= bans0 + 1
+        assert metric(w0, "swarmnode_peers_banned") >= 1
+        assert metric(w0, "swarmnode_rpc_rejected_total", reason="rate_requests") >= 20
+
+        async def after():
+            async with flooder.channel(w0) as ch:
+                try:
+                    await node_pb2_grpc.NodeStub(ch).Info(node_pb2.InfoRequest(), timeout=2)
+                    return "answered"
+                except grpc.aio.AioRpcError as exc:
+                    return f"{exc.code().name}: {exc.details()}"
+        assert flooder.run(after()).startswith("PERMISSION_DENIED") and "banned" in flooder.run(after())
+
+        def marked():
+            rows = {r["peer_id"]: r for r in status_rows(swarm)}
+            return rows.get(flooder.peer_id, {}).get("banned_by", 0) >= 1 and rows
+        rows = wait_for(marked, 30, "swarmnode status to mark the flooder banned", poll=2)
+        assert rows[w0.peer_id]["banned"] >= 1 and flooder.peer_id[-8:] in rows[w0.peer_id]["banned_ids"]
+        assert all(rows[w.peer_id].get("banned_by", 0) == 0 for w in swarm.workers)
+    finally:
+        flooder.close()

@@ -249,6 +249,10 @@ async def test_bad_headers_rejected_and_counted(dhts):
             if reason in ("stale", "future", "other_round"):
                 assert f"current round {r}" in details
         assert w.rejects == ["run", "cfg_hash", "specs", "specs", "sender", "stale", "future", "order"]
+        # every field right, but the sender has no roster entry for the round: not a partner
+        hdr, got_code, details = await _open(w.addr, **good)
+        assert got_code == grpc.StatusCode.PERMISSION_DENIED and hdr is not None and not hdr.accepted
+        assert hdr.reason == "not_in_roster" and "roster entry" in details, details
         assert not waiting.done()
         await w.ex.close()
         res = await asyncio.wait_for(waiting, 3)

@@ -104,3 +104,18 @@ def test_cli_admit_prints_verifiable_token(tmp_path, keys, capsys):
     assert tok.roles == ("noloco", "stage")
     rc = main(["admit", "--peer-id", "bogus", "--identity", str(path), "--run-id", "run-a"])
     assert rc == 2 and "peer ID" in capsys.readouterr().err
+
+
+def test_own_token_is_checked_before_a_node_starts(keys):
+    from security.admission import check_own_token
+
+    coord, coord_id, peer = keys
+    args = dict(coordinator_peer_id=coord_id, run_id="run-a", peer_id=peer, role="noloco", now=NOW)
+    assert check_own_token(_issue(coord, peer), **args).peer_id == peer
+    assert check_own_token(None, **{**args, "peer_id": coord_id}) is None  # the coordinator needs none
+    with pytest.raises(ValueError, match="swarmnode admit --peer-id"):
+        check_own_token(None, **args)
+    with pytest.raises(ValueError, match=r"\(expired\)"):
+        check_own_token(_issue(coord, peer, expires_at=NOW - 1, not_before=NOW - 100), **args)
+    with pytest.raises(ValueError, match=r"\(role\)"):
+        check_own_token(_issue(coord, peer, roles=["stage"]), **args)

@@ -313,3 +313,72 @@ def test_constructor_checks(keys):
     rec = DHTRecord(DHTID.generate(source=f"{RUN}/nodes").to_bytes(), MSGPackSerializer.dumps("x"),
                     MSGPackSerializer.dumps(record_value(f"{RUN}/nodes", CARD)), get_dht_time() + 30)
     assert v.sign_value(rec) == rec.value  # a read-only validator never signs
+
+
+def _token_validator(key, coord_key, token=None):
+    return SignedRecordValidator(RUN, key, [Namespace("nodes", Card, max_payload_bytes=4096, max_ttl_s=60),
+                                            Namespace("noloco/roster/", Card, max_ttl_s=120)],
+                                 coordinator_peer_id=peer_id_str(coord_key), admission_token=token,
+                                 require_admission=True)
+
+
+def test_token_mode_admits_only_writers_with_a_valid_token_for_their_role(keys):
+    import time
+
+    from security.admission import issue_token
+
+    coord, a = keys["coord"], keys["a"]
+    pid_a, key = peer_id_str(a), f"{RUN}/nodes"
+    reader = _token_validator(keys["b"], coord)
+
+    def card_by(token, card=CARD, subkey_key=a):
+        writer = _token_validator(subkey_key, coord, token)
+        return hivemind_record(writer, key, peer_id_str(subkey_key), record_value(key, card), get_dht_time() + 30)
+
+    good = issue_token(coord, run_id=RUN, peer_id=pid_a, expires_at=time.time() + 3600, roles=["noloco"])
+    assert reader.validate(card_by(good))
+    roster_key = f"{RUN}/noloco/roster/3"  # roster entries need the token too
+    writer = _token_validator(a, coord, good)
+    assert reader.validate(hivemind_record(writer, roster_key, pid_a, record_value(roster_key, CARD),
+                                           get_dht_time() + 30))
+    assert_rejected(reader, hivemind_record(_token_validator(a, coord), roster_key, pid_a,
+                                            record_value(roster_key, CARD), get_dht_time() + 30), "admission")
+    assert_rejected(reader, card_by(None), "admission")                                   # no token
+    expired = issue_token(coord, run_id=RUN, peer_id=pid_a, expires_at=time.time() - 10,
+                          not_before=time.time() - 100)
+    assert_rejected(reader, card_by(expired), "admission")                                # expired
+    foreign = issue_token(coord, run_id=RUN, peer_id=peer_id_str(keys["b"]), expires_at=time.time() + 3600)
+    assert_rejected(reader, card_by(foreign), "admission")                                # someone else's
+    forged = issue_token(keys["b"], run_id=RUN, peer_id=pid_a, expires_at=time.time() + 3600)
+    assert_rejected(reader, card_by(forged), "admission")                                 # not the coordinator's
+    other_run = issue_token(coord, run_id="other", peer_id=pid_a, expires_at=time.time() + 3600)
+    assert_rejected(reader, card_by(other_run), "admission")
+    stage_only = issue_token(coord, run_id=RUN, peer_id=pid_a, expires_at=time.time() + 3600, roles=["stage"])
+    assert_rejected(reader, card_by(stage_only), "admission")                             # role not allowed
+    # the coordinator needs no token for its own records
+    assert reader.validate(card_by(None, subkey_key=coord))
+
+
+def test_token_mode_records_expire_with_their_token(keys):
+    """A record may not outlive its writer's token, and one stored while the token was valid
+    stays valid until it expires itself: hivemind drops a whole subkey dictionary (every card)
+    when one entry fails validation, so no entry may turn invalid while peers hold it."""
+    from security.admission import issue_token
+
+    coord, a = keys["coord"], keys["a"]
+    pid_a, key = peer_id_str(a), f"{RUN}/nodes"
+    reader = _token_validator(keys["b"], coord)
+    writer_of = lambda tok: _token_validator(a, coord, tok)  # noqa: E731
+    now = get_dht_time()
+    short = issue_token(coord, run_id=RUN, peer_id=pid_a, expires_at=now + 20)
+    assert reader.validate(hivemind_record(writer_of(short), key, pid_a, record_value(key, CARD), now + 15))
+    assert_rejected(reader, hivemind_record(writer_of(short), key, pid_a, record_value(key, CARD), now + 40),
+                    "admission")  # outlives the token
+    # stored while valid: token expired 5 s ago, the record 6 s ago (a peer with a slower clock
+    # still serves it): it is the record's expiry that drops it, not a validation failure
+    old = issue_token(coord, run_id=RUN, peer_id=pid_a, expires_at=now - 5, not_before=now - 100)
+    assert reader.validate(hivemind_record(writer_of(old), key, pid_a, record_value(key, CARD), now - 6))
+    # a new record with the expired token is refused
+    assert_rejected(reader, hivemind_record(writer_of(old), key, pid_a, record_value(key, CARD), now + 10),
+                    "admission")
+

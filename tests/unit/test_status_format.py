@@ -26,3 +26,17 @@ def test_table_has_a_header_and_one_line_per_node():
 
 def test_empty_swarm_says_what_to_check():
     assert "no live nodes" in format_table([])
+
+
+def test_banned_peers_are_marked_by_how_many_nodes_ban_them():
+    flooder, honest = "12D3KooWFLOODFLOODFLOODxyz12345", "12D3KooWHONESTHONESTHONESTabcdefg"
+    views = [_view("12D3KooWAAAAAAAAAAAAAAAAAAAA1", "noloco", "ready", 10.0, 1.0, banned=1, banned_ids=flooder[-8:]),
+             _view("12D3KooWBBBBBBBBBBBBBBBBBBBB2", "noloco", "ready", 10.0, 1.0, banned=2,
+                   banned_ids=f"10.0.0.9,{flooder[-8:]}"),
+             _view(flooder, "noloco", "ready", 10.0, 1.0, banned=0, banned_ids=""),
+             _view(honest, "noloco", "ready", 10.0, 1.0, banned=0, banned_ids="")]
+    rows = {r["peer_id"]: r for r in card_rows(views, now=12.0)}
+    assert rows[flooder]["banned_by"] == 2
+    assert all("banned_by" not in rows[p] for p in rows if p != flooder)
+    table = format_table(list(rows.values()))
+    assert "BANNED_BY" in table and "BANNED_IDS" not in table
