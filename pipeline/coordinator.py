@@ -7,7 +7,8 @@ for `schedule.settle_s` (and every stage has a node, and at least `schedule.expe
 present) it builds the cost model (per-node compute; links from this node's `[netem]` matrix,
 links or default, keyed by gRPC address or peer ID, else `schedule.default_latency_ms`),
 plans with `pipeline.search.plan` off the event loop, validates the schedule and publishes it
-with the next epoch. `Schedule.Get` answers one epoch (0 = latest), `Schedule.Watch` streams
+with the next epoch; the `schedule_published` log event carries the schedule body and the cost
+model it was planned on, so any run's schedule can be re-simulated or re-planned offline. `Schedule.Get` answers one epoch (0 = latest), `Schedule.Watch` streams
 every new one. Stage nodes validate again before use. The planning itself is pure
 (pipeline/search.py); this module is its glue to cards and gRPC.
 """
@@ -87,13 +88,14 @@ def build_cluster(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig,
 
 
 def plan_for(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, activation_bytes: int,
-             epoch: int) -> Schedule:
-    """A validated schedule over `members` (pure; runs in a worker thread)."""
+             epoch: int) -> tuple[Schedule, Cluster]:
+    """A validated schedule over `members` and the cost model it was planned on (pure; runs in
+    a worker thread)."""
     cluster = build_cluster(members, cfg, netem, activation_bytes)
     partition = tuple(tuple(i for i, m in enumerate(members) if m[1] == s) for s in range(cfg.stages))
     sched = plan(cluster, partition, cfg.rules(), cfg.mb_per_origin, method=cfg.method, seed=cfg.seed,
                  time_budget_s=cfg.time_budget_s, epoch=epoch)
-    return validate_schedule(sched, cluster)
+    return validate_schedule(sched, cluster), cluster
 
 
 class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
@@ -138,8 +140,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
     async def _plan(self, members: list[tuple]) -> None:
         epoch = self.epoch + 1
         try:
-            sched = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
-                                            self.activation_bytes, epoch)
+            sched, cluster = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
+                                                     self.activation_bytes, epoch)
         except ScheduleViolation as exc:
             self.waiting_reason = f"planning failed: {exc}"
             log.error("no schedule for %d stage nodes: %s", len(members), exc,
@@ -159,7 +161,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                  len(members), len(sched.paths), sched.expected_makespan, sched.method,
                  extra={"event": "schedule_published", "epoch": epoch, "nodes": len(members),
                         "expected_makespan": sched.expected_makespan, "method": sched.method,
-                        "sha256": reply.sha256})
+                        "sha256": reply.sha256, "schedule": sched.to_dict(),
+                        "cost_model": {"compute": cluster.compute, "comm": cluster.comm,
+                                       "memory": cluster.memory}})
 
     async def _check_run(self, request, context) -> None:
         self._ensure_started()

@@ -14,7 +14,8 @@ from node.card import CardView, NodeCard
 from node.netem import NetemConfig
 from pipeline.config import ScheduleConfig
 from pipeline.coordinator import build_cluster, parse_reply, plan_for, stage_members
-from pipeline.schedule import ScheduleViolation
+from pipeline.schedule import Schedule, ScheduleViolation
+from pipeline.simulator import simulate
 from protocol import pipeline_pb2
 
 
@@ -57,12 +58,16 @@ def test_cluster_uses_cards_and_the_netem_matrix():
 
 def test_plan_avoids_the_slow_replica_and_is_valid():
     members = stage_members(_views(), 4)
-    sched = plan_for(members, CFG, NetemConfig(), 4096, epoch=3)
+    sched, cluster = plan_for(members, CFG, NetemConfig(), 4096, epoch=3)
     assert sched.epoch == 3 and sched.names == tuple(m[0] for m in members)
     assert sched.partitions == ((0, 1, 2), (3, 4), (5, 6), (7, 8))
     visits = sched.node_visits()
     assert visits[5] <= visits[6]                          # the slow node gets no more than its twin
     assert all(v <= 3 for v in visits.values())
+    # the schedule is recomputable from what the coordinator logs: its body and cost model
+    assert sched.cost_hash == cluster.cost_hash()
+    again = Schedule.from_json(sched.to_json())
+    assert simulate(cluster, again.paths).makespan == pytest.approx(sched.expected_makespan)
 
 
 def _reply(sched, addrs):
@@ -73,7 +78,7 @@ def _reply(sched, addrs):
 
 def test_replies_are_checked_before_use():
     members = stage_members(_views(), 4)
-    sched = plan_for(members, CFG, NetemConfig(), 4096, epoch=1)
+    sched, _ = plan_for(members, CFG, NetemConfig(), 4096, epoch=1)
     addrs = {m[0]: m[2] for m in members}
     got, got_addrs = parse_reply(_reply(sched, addrs))
     assert got == sched and got_addrs == addrs
