@@ -29,6 +29,7 @@ from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
 from pipeline.schedule import Schedule, ScheduleViolation, validate_schedule
 from pipeline.search import plan
+from pipeline.simulator import iteration_period
 from protocol import pipeline_pb2, pipeline_pb2_grpc
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
@@ -41,7 +42,7 @@ STAGE_ROLE = "stage"
 
 def stage_members(views: list[CardView], stages: int) -> list[tuple]:
     """The stage nodes a schedule is planned over, sorted by (stage, peer ID): tuples
-    (peer_id, stage, grpc_addr, memory or None, compute_ms or None)."""
+    (peer_id, stage, grpc_addr, memory or None, compute_ms or None, grad_bytes or None)."""
     out = []
     for v in views:
         if v.card.role != STAGE_ROLE or v.card.state not in ("joining", "ready"):
@@ -49,7 +50,8 @@ def stage_members(views: list[CardView], stages: int) -> list[tuple]:
         s = card_int(v, "stage")
         if s is None or s >= stages:
             continue
-        out.append((v.peer_id, s, v.card.grpc_addr, card_int(v, "memory"), card_int(v, "compute_ms")))
+        out.append((v.peer_id, s, v.card.grpc_addr, card_int(v, "memory"), card_int(v, "compute_ms"),
+                    card_int(v, "grad_bytes")))
     return sorted(out, key=lambda m: (m[1], m[0]))
 
 
@@ -68,7 +70,9 @@ def _link(netem: NetemConfig, src: tuple, dst: tuple) -> LinkSpec | None:
 
 def build_cluster(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, activation_bytes: int) -> Cluster:
     """Cost model over `members`: compute from cards (else `compute_s`), memory from cards (else
-    `memory`), send costs from the netem description (else `default_latency_ms`)."""
+    `memory`), send costs from the netem description (else `default_latency_ms`) split into
+    latency and transfer, and each node's gradient time to every other (its card's `grad_bytes`
+    over the link): the replica exchange between iterations."""
     n = len(members)
     lat = [[0.0] * n for _ in range(n)]
     bw: list[list[float | None]] = [[None] * n for _ in range(n)]
@@ -82,9 +86,12 @@ def build_cluster(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig,
             else:
                 lat[i][j] = link.latency_ms / 1000
                 bw[i][j] = None if link.bandwidth_mbps is None else link.bandwidth_mbps * 1e6 / 8
+    grad = [[0.0 if i == j else lat[j][i] + (members[j][5] or 0) / (bw[j][i] or float("inf")) for i in range(n)]
+            for j in range(n)]
     return Cluster(compute=[(m[4] / 1000 if m[4] else cfg.compute_s) for m in members],
                    comm=comm_matrix(lat, bw, activation_bytes),
-                   memory=[m[3] or cfg.memory for m in members], names=[m[0] for m in members])
+                   memory=[m[3] or cfg.memory for m in members], names=[m[0] for m in members],
+                   latency=lat, grad_s=grad)
 
 
 def plan_for(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, activation_bytes: int,
@@ -157,13 +164,14 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             while len(self.replies) > KEEP_EPOCHS:
                 self.replies.popitem(last=False)
             self._changed.notify_all()
-        log.info("schedule epoch %d: %d nodes, %d paths, predicted %.3f s per iteration (%s)", epoch,
+        log.info("schedule epoch %d: %d nodes, %d paths, predicted makespan %.3f s (%s)", epoch,
                  len(members), len(sched.paths), sched.expected_makespan, sched.method,
                  extra={"event": "schedule_published", "epoch": epoch, "nodes": len(members),
                         "expected_makespan": sched.expected_makespan, "method": sched.method,
                         "sha256": reply.sha256, "schedule": sched.to_dict(),
-                        "cost_model": {"compute": cluster.compute, "comm": cluster.comm,
-                                       "memory": cluster.memory}})
+                        "expected_period": iteration_period(cluster, sched.paths, sched.partitions).period,
+                        "cost_model": {"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
+                                       "latency": cluster.latency, "grad_s": cluster.grad_s}})
 
     async def _check_run(self, request, context) -> None:
         self._ensure_started()

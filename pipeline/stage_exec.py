@@ -42,37 +42,13 @@ from models.stages import check_hidden
 from node.averaging import mean_of
 from pipeline.schedule import Schedule
 from pipeline.stage_eval import EvalResult, InOrderEval
-from pipeline.stage_msgs import BadInput, Msg, Out, as_hidden, placeholder, weights_sha256
+from pipeline.stage_msgs import BadInput, Msg, OriginDone, Out, StepResult, as_hidden, placeholder, weights_sha256
 
 FUTURE_ITERATIONS = 2
 """Messages at most this many iterations ahead are kept for later; further ones are dropped."""
 RECORDS_KEPT = 64
 """Step records kept per node (CheckFree reads neighbours' norms of a recent common iteration)."""
 KINDS = ("fwd", "bwd", "eoi", "grad", "ev")
-
-
-@dataclass
-class StepResult:
-    """The record of one optimizer step (one per iteration)."""
-    iteration: int
-    visits: int
-    """Microbatches that visited this node (forward + backward) in the iteration."""
-    total_visits: int
-    """Microbatches that visited this stage on any replica."""
-    grad_norm: float
-    """Norm of the visit-averaged stage gradient before clipping (NaN: no step taken)."""
-    grad_norm_clipped: float
-    """Its norm after clipping (what the optimizer stepped with)."""
-    weights_sha256: str
-    loss: float | None
-    """Mean training loss of this origin's microbatches (stage 0 only)."""
-    next_epoch: int
-
-
-@dataclass
-class OriginDone:
-    """An originator's microbatches of `iteration` all came back (the simulator's makespan end)."""
-    iteration: int
 
 
 @dataclass
@@ -99,19 +75,24 @@ class StageExecutor:
     validation batches (used by the origin that validates). `delay(kind)` (optional) is called
     before each forward/backward/loss compute to emulate a slower device. `scheduler` (optional)
     steps once per iteration after the optimizer; `clip` None disables clipping. `autocast()`
-    returns the context forward passes run in (node.device.autocast; default none)."""
+    returns the context forward passes run in (node.device.autocast; default none). `emit(outs)`
+    (optional) sends messages that are ready while this call still has computes to do (the
+    first microbatch leaves before the second is embedded, a gradient before a deferred
+    forward runs), as the simulator assumes; what a call returns is the rest."""
 
     def __init__(self, me: str, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer, *,
                  memory: int, clip: float | None = 1.0, data: Callable[[], tuple[Tensor, Tensor]] | None = None,
                  eval_data: list[tuple[Tensor, Tensor]] | None = None,
                  delay: Callable[[str], None] | None = None, device: torch.device | str = "cpu",
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 emit: Callable[[list[Out]], None] | None = None):
         if memory < 1:
             raise ValueError(f"memory={memory}: a node needs at least one microbatch slot")
         self.me, self.stage, self.module, self.opt, self.sched = me, stage, module, optimizer, scheduler
         self.memory, self.clip, self.data = memory, clip, data
         self.delay = delay or (lambda kind: None)
+        self.emit = emit
         self.device, self.autocast = torch.device(device), autocast
         self.params = [p for _, p in module.named_parameters()]
         self.schedules: dict[int, Schedule] = {}
@@ -184,8 +165,15 @@ class StageExecutor:
         st.seqs, st.n_mine = deque(range(len(ids))), len(ids)
         outs: list[Out] = []
         while st.seqs and len(st.inflight) < self.memory:
-            outs += self._launch(st, sched, me)
+            outs = self._flush(outs) + self._launch(st, sched, me)
         return outs + self._maybe_aggregate(st)
+
+    def _flush(self, outs: list[Out]) -> list[Out]:
+        """Hand `outs` to `emit` now (more compute follows); returns what is left to return."""
+        if self.emit is None or not outs:
+            return outs
+        self.emit(outs)
+        return []
 
     @staticmethod
     def _hop_meta(st: _Iter, sched: Schedule, p: int, h: int) -> dict[str, int]:
@@ -379,11 +367,11 @@ class StageExecutor:
             while st.deferred and len(st.inflight) < self.memory:
                 d = st.deferred.popleft()
                 dp, dh, _ = self._route(sched, d, self._idx(sched, d.sender), me)
-                outs += self._compute_forward(st, sched, d, dp, dh, self._idx(sched, d.sender))
+                outs = self._flush(outs) + self._compute_forward(st, sched, d, dp, dh, self._idx(sched, d.sender))
             return outs
         st.done += 1                             # origin: one of my microbatches is complete
         while st.seqs and len(st.inflight) < self.memory:
-            outs += self._launch(st, sched, me)
+            outs = self._flush(outs) + self._launch(st, sched, me)
         if st.done == st.n_mine:
             st.eoi.add(me)
             self.events.append(OriginDone(self.iteration))
@@ -479,7 +467,7 @@ class StageExecutor:
         outs: list[Out] = []
         for m in ready:
             try:
-                outs += self.handle(m)
+                outs = self._flush(outs) + self.handle(m)
             except BadInput:
                 self.dropped["bad_input"] += 1
         return outs

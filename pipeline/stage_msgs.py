@@ -1,8 +1,8 @@
 """The messages a `stage` node's executor consumes and produces, and the checks on their tensors.
 
 Owns `Msg` (one received message: kind, sender peer ID, integer meta, tensor), `Out` (one to
-send), `BadInput` (a tensor this node cannot use: answered with an error, never a crash),
-`as_hidden` (the activation/gradient shape and dtype check) and `weights_sha256` (the weight
+send), the events an executor reports (`StepResult`, the record of one step; `OriginDone`),
+`BadInput` (a tensor this node cannot use: answered with an error, never a crash), `as_hidden` (the activation/gradient shape and dtype check) and `weights_sha256` (the weight
 commitment replicas compare after every step). Shared by pipeline/stage_exec.py (training
 microbatches) and pipeline/stage_eval.py (validation); moving them is pipeline/stage_transport.py.
 Torch only.
@@ -41,6 +41,30 @@ class Out:
     tensor: Tensor
 
 
+@dataclass
+class StepResult:
+    """The record of one optimizer step (one per iteration)."""
+    iteration: int
+    visits: int
+    """Microbatches that visited this node (forward + backward) in the iteration."""
+    total_visits: int
+    """Microbatches that visited this stage on any replica."""
+    grad_norm: float
+    """Norm of the visit-averaged stage gradient before clipping (NaN: no step taken)."""
+    grad_norm_clipped: float
+    """Its norm after clipping (what the optimizer stepped with)."""
+    weights_sha256: str
+    loss: float | None
+    """Mean training loss of this origin's microbatches (stage 0 only)."""
+    next_epoch: int
+
+
+@dataclass
+class OriginDone:
+    """An originator's microbatches of `iteration` all came back (the simulator's makespan end)."""
+    iteration: int
+
+
 def as_hidden(t: Tensor | None, device: torch.device, like: tuple[int, ...] | torch.Size | None = None) -> Tensor:
     """`t` as fp32 hidden states [B, T, d] on `device` (detached), or BadInput("shape") naming what
     was expected; with `like`, the shape must match exactly (a gradient for an activation we sent)."""
@@ -65,4 +89,4 @@ def placeholder() -> Tensor:
     return torch.zeros(1)
 
 
-__all__ = ["BadInput", "Msg", "Out", "as_hidden", "placeholder", "weights_sha256"]
+__all__ = ["BadInput", "Msg", "OriginDone", "Out", "StepResult", "as_hidden", "placeholder", "weights_sha256"]

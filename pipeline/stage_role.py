@@ -12,8 +12,8 @@ behind the bootstrap's `Schedule` service (pipeline/coordinator.py, hosted throu
 - the stage's layers live on the configured device (node/device.py; forward passes under its
   autocast; fp16 is refused, a pipeline would need one loss scale across stages);
 - its card carries `stage`, `memory` (microbatch slots), `compute_ms` (its measured forward
-  time plus `stage.compute_delay_s`), its device, and `iteration`: what the coordinator plans
-  with; it follows `Schedule.Watch` on the bootstrap (calls signed for the bootstrap's peer
+  time plus `stage.compute_delay_s`), `grad_bytes` (what it exchanges with its replicas per
+  iteration), its device, and `iteration`: what the coordinator plans with; it follows `Schedule.Watch` on the bootstrap (calls signed for the bootstrap's peer
   ID), validates every schedule before use (a violation is refused and logged with the rule)
   and fetches an epoch it has not seen when a message or the replicas' agreement names one;
 - every message is handled on the compute thread (`node/compute.py`) in arrival order; one the
@@ -138,10 +138,12 @@ class StageRole(RoleBase):
                                   on_reject=lambda reason: NM.TENSORS_REJECTED.labels(reason=reason).inc())
         self.checkpointer = Checkpointer(ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
         self._snapshot: StateSnapshot | None = None
+        self._corpus = None                    # stage 0: the loaded corpus (train stream, validation batches)
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
         self.coordinator: tuple[str, str] | None = None   # (gRPC address, peer ID)
         self.ex: StageExecutor | None = None
         self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None     # set in _main: the compute thread emits through it
         self._have_schedule = asyncio.Event()
         self._eval_start: float | None = None
         self._eval_end: float | None = None
@@ -183,11 +185,13 @@ class StageRole(RoleBase):
                                      self.cfg.eval_batches)
         self.ex = StageExecutor(self.me, self.cfg.index, self.module, self.opt, memory=self.s.schedule.memory,
                                 clip=self.cfg.optim.clip_norm, eval_data=eval_data, delay=delay, device=device,
-                                scheduler=self.lr_sched, autocast=lambda: autocast(device, precision))
+                                scheduler=self.lr_sched, autocast=lambda: autocast(device, precision),
+                                emit=lambda outs: self._loop.call_soon_threadsafe(self.net.send, outs))
         self._take_snapshot()
         forward_s = measure_forward_s(self.module, self.s.data.batch_size, self.s.data.seq_len, self.s.model,
                                       device, lambda: autocast(device, precision))
-        return {**device_details(device), "compute_ms": max(1, int(round((forward_s + d) * 1000)))}
+        return {**device_details(device), "compute_ms": max(1, int(round((forward_s + d) * 1000))),
+                "grad_bytes": 4 * sum(p.numel() for p in self.module.parameters())}
 
     def _take_snapshot(self) -> None:
         meta, weights, opt = self.ex.snapshot()
@@ -253,6 +257,7 @@ class StageRole(RoleBase):
             log.warning("could not fetch schedule epoch %d: %r", ep, exc)
 
     async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
         details = await self.compute.run(self._setup)
         self.ctx.card.update(publish=True, stage=self.cfg.index, memory=self.s.schedule.memory, iteration=0,
                              **details)

@@ -62,7 +62,7 @@ async def _send_stray(addr: str, run_id: str) -> str | None:
 
 def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
     common = [*stage_demo.node_settings(ITERATIONS), *stage_demo.swarm_settings(N), "card.refresh_s=1",
-              "drain.budget_s=10"]
+              "drain.budget_s=10", "stage.iteration_timeout_s=60"]  # a stuck node logs what it waits for
     t0 = time.monotonic()
     with LocalSwarm(run_id="pipe", common_set=common, workdir=tmp_path) as swarm:
         boot = swarm.start("bootstrap", name="bootstrap")

@@ -79,10 +79,13 @@ def _nodes(sched: Schedule, memory: int = 3, clip: float | None = CLIP, device: 
 
 
 def _pump(nodes, outs, rng=None, log=None):
-    """Deliver until quiet; with `rng`, links interleave at random (each link stays FIFO)."""
+    """Deliver until quiet; with `rng`, links interleave at random (each link stays FIFO).
+    Messages an executor emits early (`emit`) join their link before what its call returns."""
     links = defaultdict(list)  # (src, dst) -> FIFO
     for src, o in outs:
         links[(src, o.dest)].append(o)
+    for name, ex in nodes.items():
+        ex.emit = lambda early, name=name: [links[(name, o.dest)].append(o) for o in early]
     while any(links.values()):
         keys = [k for k, v in links.items() if v]
         key = rng.choice(keys) if rng else keys[0]
@@ -97,7 +100,9 @@ def _run_iteration(nodes, sched, rng=None, log=None):
     outs = []
     for x in sched.origins:
         ex = nodes[sched.names[x]]
-        outs += [(ex.me, o) for o in ex.start_iteration()]
+        early = []
+        ex.emit = early.extend
+        outs += [(ex.me, o) for o in early + ex.start_iteration()]
     _pump(nodes, outs, rng, log)
 
 
@@ -389,6 +394,32 @@ def test_a_full_window_refuses_a_bad_tensor_at_once():
     with pytest.raises(BadInput):
         stage1.handle(Msg("fwd", "peer04", second.meta, torch.zeros(B, T, CFG.d_model + 3)))
     assert stage1.deferred_total == 0
+
+
+def test_ready_messages_leave_before_the_next_compute():
+    """emit: the origin's first microbatch is handed over before the second is embedded, and a
+    stage's gradient before the deferred forward it makes room for (the simulator's order)."""
+    sched = full_pipeline_schedule(_cluster(5), ((0, 4), (1,), (2,), (3,)), 2)
+    nodes = _nodes(sched, memory=1)
+    origin = nodes["peer00"]
+    origin.memory = 2
+    timeline = []
+    origin.delay = lambda kind: timeline.append(("compute", kind))
+    origin.emit = lambda outs: timeline.extend(("emit", o.kind) for o in outs)
+    returned = origin.start_iteration()
+    assert timeline == [("compute", "forward"), ("emit", "fwd"), ("compute", "forward")]
+    assert [o.kind for o in returned] == ["fwd"]
+    a, b = returned[0], nodes["peer04"].start_iteration()[0]
+    stage1 = nodes[a.dest]                                   # memory 1: b waits for a's slot
+    timeline.clear()
+    stage1.delay = lambda kind: timeline.append(("compute", kind))
+    stage1.emit = lambda outs: timeline.extend(("emit", o.kind) for o in outs)
+    assert [o.kind for o in stage1.handle(Msg("fwd", "peer00", a.meta, a.tensor))] == ["fwd"]
+    assert stage1.handle(Msg("fwd", "peer04", b.meta, b.tensor)) == [] and stage1.deferred_total == 1
+    grad = {**a.meta, "h": 1}
+    returned = stage1.handle(Msg("bwd", sched.names[sched.paths[a.meta["p"]][2]], grad, torch.ones_like(a.tensor)))
+    assert timeline == [("compute", "forward"), ("compute", "backward"), ("emit", "bwd"), ("compute", "forward")]
+    assert [o.kind for o in returned] == ["fwd"]
 
 
 # --------------------------------------------------------------------------------- records, state, eval
