@@ -13,9 +13,11 @@ behind the bootstrap's `Schedule` service (pipeline/coordinator.py, hosted throu
   autocast; fp16 is refused, a pipeline would need one loss scale across stages);
 - its card carries `stage`, `memory` (microbatch slots), `compute_ms` (its measured forward
   time plus `stage.compute_delay_s`), `grad_bytes` (what it exchanges with its replicas per
-  iteration), its device, and `iteration`: what the coordinator plans with; it follows `Schedule.Watch` on the bootstrap (calls signed for the bootstrap's peer
-  ID), validates every schedule before use (a violation is refused and logged with the rule)
-  and fetches an epoch it has not seen when a message or the replicas' agreement names one;
+  iteration), its device and `iteration` (what the coordinator plans with), and `cfg_hash`
+  (what its state depends on: donors for a recovering node are picked by it); it follows
+  `Schedule.Watch` on the bootstrap (calls signed for the bootstrap's peer ID), validates every
+  schedule before use (a violation is refused and logged with the rule) and fetches an epoch it
+  has not seen when a message or the replicas' agreement names one;
 - every message is handled on the compute thread (`node/compute.py`) in arrival order; one the
   executor cannot use (wrong shape) is answered with an `err` on its stream, never a crash;
   stale/unknown ones are dropped and counted (`swarmnode_pipeline_dropped_total{reason}`);
@@ -48,7 +50,7 @@ from models.config import DataConfig, ModelConfig
 from models.optim import build_optimizer, inner_lr_scheduler
 from models.stages import build_stage, stage_layer_ranges
 from node import metrics as NM
-from node.card import read_cards
+from node.card import CFG_HASH, read_cards
 from node.checkpoint import Checkpointer
 from node.compute import Compute
 from node.config import ConfigError
@@ -260,7 +262,9 @@ class StageRole(RoleBase):
         self._loop = asyncio.get_running_loop()
         details = await self.compute.run(self._setup)
         self.ctx.card.update(publish=True, stage=self.cfg.index, memory=self.s.schedule.memory, iteration=0,
-                             **details)
+                             **{CFG_HASH: self.cfg_hash}, **details)
+        log.info("stage %d built on %s (cfg_hash %s)", self.cfg.index, details["device_kind"], self.cfg_hash,
+                 extra={"event": "stage_started", "stage": self.cfg.index, "cfg_hash": self.cfg_hash, **details})
         self.coordinator = await self._find_coordinator()
         self._tasks.append(asyncio.ensure_future(self._watch()))
         await self._have_schedule.wait()

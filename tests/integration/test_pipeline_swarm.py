@@ -11,6 +11,7 @@ stream, is dropped and counted while training goes on.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections import defaultdict
@@ -18,9 +19,14 @@ from collections import defaultdict
 import pytest
 import torch
 
+from models.config import ModelConfig
+from models.stages import build_stage
 from node.localswarm import LocalSwarm, NodeProc
+from node.state_sync import OPTIMIZER_PREFIX, fetch_state
 from pipeline import stage_demo
 from protocol.streams import ChannelPool, StreamError, open_stream
+from security.keys import generate_key, peer_id_str
+from security.peer_auth import CallSigner, ClientAuth, set_client_auth
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -60,9 +66,30 @@ async def _send_stray(addr: str, run_id: str) -> str | None:
         await pool.close()
 
 
+async def _fetch_stage_state(node: NodeProc):
+    """The node's state over WeightService.Fetch (node/state_sync.py), as a recovering neighbour
+    would download it (`security.public_state`: any signed caller may)."""
+    settings = dict(item.split("=", 1) for item in stage_demo.node_settings(ITERATIONS) if item.startswith("model."))
+    cfg = ModelConfig(**{k.split(".", 1)[1]: json.loads(v) for k, v in settings.items()})
+    module = build_stage(cfg, 0, 1, stage_demo.STAGES)
+    expected = {n: (p.dtype, tuple(p.shape)) for n, p in module.named_parameters()}
+    optimizer = {f"{n}.{k}": (torch.float32, shape) for n, (_, shape) in expected.items()
+                 for k in ("exp_avg", "exp_avg_sq")}
+    optimizer.update({f"{n}.step": (torch.float32, ()) for n in expected})
+    key = generate_key()
+    set_client_auth(ClientAuth(CallSigner(key, "pipe"), lambda addr: None))
+    try:
+        cfg_hash = events(node, "stage_started")[0]["cfg_hash"]
+        return await fetch_state(f"127.0.0.1:{node.grpc_port}", "pipe", peer_id_str(key), cfg_hash, expected,
+                                 optimizer=optimizer, stage=1, timeout=20, peer_id=node.peer_id)
+    finally:
+        set_client_auth(None)
+
+
 def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
     common = [*stage_demo.node_settings(ITERATIONS), *stage_demo.swarm_settings(N), "card.refresh_s=1",
-              "drain.budget_s=10", "stage.iteration_timeout_s=60"]  # a stuck node logs what it waits for
+              "drain.budget_s=10", "stage.iteration_timeout_s=60",  # a stuck node logs what it waits for
+              "security.public_state=true"]
     t0 = time.monotonic()
     with LocalSwarm(run_id="pipe", common_set=common, workdir=tmp_path) as swarm:
         boot = swarm.start("bootstrap", name="bootstrap")
@@ -81,6 +108,7 @@ def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
         while stray_target.alive() and live.get("swarmnode_pipeline_iteration", 0) < 3:
             live = stray_target.metrics() or live
             time.sleep(0.2)
+        state_meta, state = asyncio.run(_fetch_stage_state(stray_target))
         for n in nodes:
             rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
             assert rc is not None, f"{n.name} still running after {DEADLINE_S} s: {n.log_text()[-3000:]}"
@@ -104,6 +132,17 @@ def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
         assert len(set(hashes.values())) == 1, f"stage {stage} replicas differ after step {it}: {hashes}"
     for stage in range(4):             # and the weights do move
         assert steps[(stage, 0)] != steps[(stage, ITERATIONS - 1)]
+
+    # the state a recovering neighbour downloads is the replica's weights after a whole step
+    k = int(state_meta["iteration"])
+    assert k >= 3 and int(state_meta["stage"]) == 1
+    digest = hashlib.sha256()
+    for name, tensor in state.items():
+        if not name.startswith(OPTIMIZER_PREFIX):
+            digest.update(name.encode())
+            digest.update(tensor.float().contiguous().numpy().tobytes())
+    assert digest.hexdigest() == state_meta["weights_sha256"] == steps[(1, k - 1)][stray_target.name]
+    assert float(state_meta["grad_norm"]) > 0
 
     # the pipeline metrics of a live stage-1 node (read after >= 3 steps)
     assert live["swarmnode_pipeline_stage_index"] == 1 and live["swarmnode_pipeline_schedule_epoch"] == 1, live
