@@ -19,7 +19,8 @@ second). Its attributes:
 - ``FINISHED_EVENT: str``: the log event a worker writes once with its final figures;
 - ``FINISHED_FIELDS: dict[str, str]``: progress-row key -> field of that event;
 - optional ``worker_settings(i) -> list[str]``: extra ``--set`` for worker i (heterogeneous
-  peers), ``SUMMARY_KEYS``: row keys whose mean over workers the summary (``--json``) adds, and
+  peers), ``swarm_settings(nodes) -> list[str]``: extra ``--set`` every node gets for a swarm
+  of ``nodes`` workers (e.g. how many the coordinator waits for), ``SUMMARY_KEYS``: row keys whose mean over workers the summary (``--json``) adds, and
   ``DEMO_ORDER: int``: without ``--role`` the demo with the lowest order runs (default 100).
 
 The progress figures themselves come from the role-neutral metrics (``swarmnode_train_*``,
@@ -97,7 +98,8 @@ def node_progress(node: NodeProc, demo: ModuleType | None = None) -> dict[str, A
            "loss_start": _m(m, "swarmnode_train_loss_initial"),
            # outer steps taken (ok + solo + failed): a worker that caught up with the swarm has a
            # higher round label (swarmnode_outer_round) than steps taken
-           "rounds": _sum(m, "swarmnode_outer_rounds_total"),
+           "rounds": _sum(m, "swarmnode_outer_rounds_total") if _m(m, "swarmnode_outer_rounds_total") is not None
+           else None,  # None: the role has no outer rounds (e.g. a pipeline)
            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
     done = _finished_event(node, demo.FINISHED_EVENT) if demo is not None and not node.alive() else None
     if done:  # exact final figures, even if the last scrape missed them
@@ -115,19 +117,21 @@ def print_progress(rows: list[dict[str, Any]], t: float) -> None:
         if r["steps"] is None:
             parts.append(f"{r['name']}:{r['state']}")
         else:
-            parts.append(f"{r['name']}: step {int(r['steps'])} loss {_fmt(r['loss'])} "
-                         f"rounds {int(r['rounds'])}")
+            rounds = "" if r["rounds"] is None else f" rounds {int(r['rounds'])}"
+            parts.append(f"{r['name']}: step {int(r['steps'])} loss {_fmt(r['loss'])}{rounds}")
     print(f"[{t:6.1f}s] " + " | ".join(parts), flush=True)
 
 
 def summarize(rows: list[dict[str, Any]], nodes: int, wall: float) -> dict[str, Any]:
+    rounds = [r for r in rows if r.get("rounds") is not None]
+
     def mean(key: str) -> float | None:
         vals = [r[key] for r in rows if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
     return {"nodes": nodes, "steps": int(min((r["steps"] or 0) for r in rows)) if rows else 0,
             "loss_start": mean("loss_start"), "loss_end": mean("loss"),
             "eval_loss_start": mean("eval_loss_start"), "eval_loss_end": mean("eval_loss"),
-            "rounds": int(min(r["rounds"] for r in rows)) if rows else 0,
+            "rounds": int(min(r["rounds"] for r in rounds)) if rounds else None,
             "rounds_ok": int(sum((r["rounds_ok"] or 0) for r in rows)),
             "wall_s": round(wall, 1), "per_node": rows}
 
@@ -140,7 +144,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     steps = (args.steps or demo.DEFAULT_STEPS) if training else None
     common = list(args.set or [])
     if training:
-        common = [*demo.node_settings(steps), *common]
+        sized = getattr(demo, "swarm_settings", None)
+        try:
+            common = [*demo.node_settings(steps), *(sized(n) if sized else []), *common]
+        except ValueError as exc:  # e.g. too few nodes for the role's demo layout
+            print(f"swarmnode demo: {exc}", file=sys.stderr)
+            return 2
     print(f"swarmnode demo: bootstrap + {n} {role} node(s) on 127.0.0.1"
           + (f", {steps} inner steps each" if training else ""), flush=True)
     t0 = time.monotonic()
@@ -176,7 +185,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if training:
         print(f"summary: {n} workers, {summary['steps']} steps, train loss {_fmt(summary['loss_start'])} -> "
               f"{_fmt(summary['loss_end'])}, eval loss {_fmt(summary['eval_loss_start'])} -> "
-              f"{_fmt(summary['eval_loss_end'])}, {summary['rounds']} outer rounds", flush=True)
+              f"{_fmt(summary['eval_loss_end'])}"
+              + ("" if summary["rounds"] is None else f", {summary['rounds']} outer rounds"), flush=True)
     else:
         print(f"summary: {n} {role} node(s) ran for {summary['wall_s']} s", flush=True)
     for w in failed:

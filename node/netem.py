@@ -30,6 +30,8 @@ Lookup order for a destination: ``links`` > this node's row of ``matrix`` (needs
     for chunk in chunks:
         await pace(len(chunk))     # first call: latency + chunk time; later: chunk time only
         await stream.write(chunk)
+    link = emu.message_link(dest)  # whole messages on one open stream (the pipeline role)
+    await asyncio.sleep(link.release_at(queued_at, nbytes) - time.monotonic()); await stream.send(...)
 """
 
 from __future__ import annotations
@@ -237,3 +239,29 @@ class LinkEmulator:
                 await asyncio.sleep(wait)
 
         return pace
+
+    def message_link(self, dest: str) -> "MessageLink":
+        """Per-message emulation of the link to ``dest`` for a FIFO of whole messages (see
+        :class:`MessageLink`); ``dest`` is looked up like :meth:`link_for`."""
+        return MessageLink(self.link_for(dest))
+
+
+class MessageLink:
+    """One directed link carrying whole messages in order, as a pipe: a message occupies the
+    link for its serialisation time (bandwidth is shared first come, first served) and arrives
+    ``latency`` after it has left, so the latencies of back-to-back messages overlap instead of
+    adding up (a per-destination sender that slept ``delay_s`` per message would serialise them).
+    The caller sleeps until :meth:`release_at` and then sends; the SkipPipe simulator's
+    ``c[x][y] = latency + bytes / bandwidth`` is this link's time for one message."""
+
+    def __init__(self, link: LinkSpec | None):
+        self.link = link
+        self._free = 0.0  # when the link has finished serialising the previous message
+
+    def release_at(self, queued_at: float, nbytes: int) -> float:
+        """When a message of ``nbytes`` queued at ``queued_at`` (a monotonic time) reaches the
+        far end; call once per message, in send order."""
+        if self.link is None:
+            return queued_at
+        self._free = max(queued_at, self._free) + transfer_s(self.link, nbytes, first=False)
+        return self._free + self.link.latency_ms / 1000.0

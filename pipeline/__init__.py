@@ -1,7 +1,8 @@
-"""pipeline: SkipPipe scheduling and simulation (pure), and later the `stage` role.
+"""pipeline: SkipPipe scheduling and simulation (pure), the `stage` role and its executor.
 
 Pure, network-free modules (stdlib only; no grpc, hivemind, node or torch code):
-- `pipeline.cluster`: `Cluster` cost model (w, c, memory), `comm_matrix` from latency/bandwidth.
+- `pipeline.cluster`: `Cluster` cost model (w, c, memory; latency split, replica gradient
+  times), `comm_matrix` from latency/bandwidth.
 - `pipeline.paths`: `PathRules` (R1-R4 limits, memory cap), `stage_violation`, `enumerate_paths`.
 - `pipeline.allocation`: `allocate` (DP + 2*PP score; brute force N <= 8, else GCMA-lite; TSP
   stage order).
@@ -9,10 +10,15 @@ Pure, network-free modules (stdlib only; no grpc, hivemind, node or torch code):
   `validate_schedule` raising `ScheduleViolation(rule=...)`.
 - `pipeline.search`: `plan`, `skippipe_schedule` (collision-aware search), `random_schedule`,
   `full_pipeline_schedule`.
-- `pipeline.simulator`: `simulate` (makespan, idle, queueing, deferrals, per-node trace).
+- `pipeline.simulator`: `simulate` (makespan, idle, queueing, deferrals, per-node trace) and
+  `iteration_period` (iterations chained through the replica gradient exchange).
 - `pipeline.geo`: a modelled 12-region cost model and `compare` (`python -m pipeline.geo`).
 
-The model split the stage role runs is in models/stages.py (models/ never imports pipeline/).
+The stage role (torch): `stage_msgs` (messages, tensor checks, step records), `stage_exec`
+(the transport-free executor), `stage_eval` (in-order validation), `stage_timing` (a node's
+forward time), `stage_transport` (open tensor streams, netem, hop timing), `stage_role` (glue),
+`coordinator` (the bootstrap's schedule service), `config`, `stage_metrics`, `stage_demo`.
+The model split is models/stages.py (models/ never imports pipeline/).
 """
 
 from pipeline.cluster import Cluster, comm_matrix

@@ -9,6 +9,11 @@ network. It does not own node identity (the coordinator maps node indices to pee
 Nodes are indices 0..N-1 into the matrices. Costs (pipeline.md §2.1): forward `w[x]` for one
 stage's layers, backward `1.5 w[x]`, loss `0.25 w[x]` at the originator; one activation (or
 gradient) send `c[x][y] = latency + bytes / bandwidth (+ fixed)`.
+
+Between iterations [ours; the paper's simulator ignores it]: a node aggregates once every
+origin's EndOfIteration reached it, steps once every replica's gradient did (`grad_s`:
+latency + gradient bytes / bandwidth), and only then takes the next iteration's work
+(pipeline/simulator.py's `iteration_period`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ class Cluster:
     comm: tuple[tuple[float, ...], ...]
     memory: tuple[int, ...]
     names: tuple[str, ...] = field(default=())
+    latency: tuple[tuple[float, ...], ...] = field(default=())
+    """Optional: the latency part of each `comm` entry. Given, a link carries one message at a
+    time for `comm - latency` seconds (its bandwidth), and latencies of queued messages overlap
+    (node/netem.py's MessageLink); empty: every send costs `comm` independently."""
+    grad_s: tuple[tuple[float, ...], ...] = field(default=())
+    """Optional: grad_s[y][x] = seconds node y's stage gradient takes to reach node x (latency +
+    gradient bytes / bandwidth); used between replicas of a stage by
+    `simulator.iteration_period`. Empty: iterations are modelled as independent."""
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -52,6 +65,18 @@ class Cluster:
             raise ClusterError(f"comm must be {n} x {n} to match compute (one row per node)")
         if len(self.memory) != n or len(self.names) != n:
             raise ClusterError(f"memory and names must have {n} entries, one per node")
+        if self.latency:
+            lat = tuple(tuple(float(v) for v in row) for row in self.latency)
+            if len(lat) != n or any(len(row) != n for row in lat) or any(
+                    not 0 <= lat[x][y] <= self.comm[x][y] + 1e-12 for x in range(n) for y in range(n) if x != y):
+                raise ClusterError(f"latency must be {n} x {n} with 0 <= latency <= comm on every link")
+            object.__setattr__(self, "latency", lat)
+        if self.grad_s:
+            grad = tuple(tuple(float(v) for v in row) for row in self.grad_s)
+            if len(grad) != n or any(len(row) != n for row in grad) or any(
+                    not math.isfinite(v) or v < 0 for row in grad for v in row):
+                raise ClusterError(f"grad_s must be {n} x {n} finite seconds >= 0")
+            object.__setattr__(self, "grad_s", grad)
         for x, w in enumerate(self.compute):
             if not math.isfinite(w) or w < 0:
                 raise ClusterError(f"compute[{x}]={w} must be a finite number of seconds >= 0")
@@ -62,6 +87,17 @@ class Cluster:
         for x, m in enumerate(self.memory):
             if m < 1:
                 raise ClusterError(f"memory[{x}]={m}: a node needs at least one microbatch slot")
+
+    @property
+    def has_sync(self) -> bool:
+        """Whether the between-iteration costs are modelled (else iterations are independent)."""
+        return bool(self.grad_s)
+
+    def latency_s(self, x: int, y: int) -> float:
+        """One small message's time x -> y (an EndOfIteration): the latency when known, else comm."""
+        if x == y:
+            return 0.0
+        return self.latency[x][y] if self.latency else self.comm[x][y]
 
     @property
     def n(self) -> int:
@@ -84,6 +120,9 @@ class Cluster:
         body = {"compute": [round(v, 6) for v in self.compute],
                 "comm": [[round(v, 6) for v in row] for row in self.comm],
                 "memory": list(self.memory), "names": list(self.names)}
+        for name in ("latency", "grad_s"):
+            if getattr(self, name):
+                body[name] = [[round(v, 6) for v in row] for row in getattr(self, name)]
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
                               .encode()).hexdigest()
 

@@ -1,9 +1,9 @@
-"""`ScheduleConfig`: the knobs of the SkipPipe scheduler (pipeline.md §2.1-2.3).
+"""`ScheduleConfig` and `StageConfig`: the knobs of the SkipPipe scheduler and of one stage node (pipeline.md §2.1-2.5).
 
 Owns the pydantic schema and its validation, and turns it into `PathRules` for
 pipeline/search.py. The coordinator (bootstrap role hook) and `benchmarks/skippipe.py` read it;
-`StageConfig` and `CheckFreeConfig` join this module with the stage role. Imports no torch,
-grpc, hivemind or node code.
+`StageConfig` is the `[stage]` section of pipeline/stage_role.py (its optimizer table is
+models/optim.py's `InnerConfig`). Imports no grpc, hivemind or node code.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from models.optim import InnerConfig
 from pipeline.paths import PathRules
 
 
@@ -113,14 +114,11 @@ class StageConfig(BaseModel):
     """Stop after this many iterations (0 = train until stopped). The first data node runs a
     final in-order validation and then tells every node to drain; the demo uses it."""
 
-    lr: float = Field(3e-3, gt=0)
-    """AdamW learning rate of this stage (the same on every stage)."""
-
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW decoupled weight decay."""
-
-    clip: float = Field(1.0, gt=0)
-    """Per-stage gradient-norm clip applied to the visit-averaged gradient before the step."""
+    optim: InnerConfig = Field(default_factory=InnerConfig)
+    """AdamW of this stage (models/optim.py: lr, betas, weight decay, warm-up + cosine LR, and
+    `clip_norm`, applied per stage to the visit-averaged gradient). Give every stage the same;
+    the SkipPipe paper used lr 3e-4 and clip 1.0. One optimizer step per pipeline iteration, so
+    `warmup` and `total_steps` count iterations: set `total_steps` to the run's length."""
 
     seed: int = 0
     """Initial-weight seed; the same on every node of the run so replicas start identical."""
@@ -141,6 +139,11 @@ class StageConfig(BaseModel):
     compute_delay_s: float = Field(0.0, ge=0)
     """Extra seconds slept per forward (1.5x per backward, 0.25x per loss), to emulate a slower
     accelerator in benchmarks. Also published as this node's `compute_s` for the scheduler."""
+
+    checkpoint_every: int = Field(0, ge=0)
+    """Write this node's weights and optimizer state to `state_dir` every this many iterations
+    (node/checkpoint.py, the last 2 kept); 0 = only when `iterations` ends the run. The final
+    files are what `benchmarks/skippipe.py` reads the trained stages from."""
 
     max_activation_mb: float = Field(64.0, gt=0)
     """Largest tensor (activation, gradient or a replica's flat gradient) accepted on the

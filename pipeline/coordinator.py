@@ -7,7 +7,8 @@ for `schedule.settle_s` (and every stage has a node, and at least `schedule.expe
 present) it builds the cost model (per-node compute; links from this node's `[netem]` matrix,
 links or default, keyed by gRPC address or peer ID, else `schedule.default_latency_ms`),
 plans with `pipeline.search.plan` off the event loop, validates the schedule and publishes it
-with the next epoch. `Schedule.Get` answers one epoch (0 = latest), `Schedule.Watch` streams
+with the next epoch; the `schedule_published` log event carries the schedule body and the cost
+model it was planned on, so any run's schedule can be re-simulated or re-planned offline. `Schedule.Get` answers one epoch (0 = latest), `Schedule.Watch` streams
 every new one. Stage nodes validate again before use. The planning itself is pure
 (pipeline/search.py); this module is its glue to cards and gRPC.
 """
@@ -28,6 +29,7 @@ from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
 from pipeline.schedule import Schedule, ScheduleViolation, validate_schedule
 from pipeline.search import plan
+from pipeline.simulator import iteration_period
 from protocol import pipeline_pb2, pipeline_pb2_grpc
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
@@ -40,7 +42,7 @@ STAGE_ROLE = "stage"
 
 def stage_members(views: list[CardView], stages: int) -> list[tuple]:
     """The stage nodes a schedule is planned over, sorted by (stage, peer ID): tuples
-    (peer_id, stage, grpc_addr, memory or None, compute_ms or None)."""
+    (peer_id, stage, grpc_addr, memory or None, compute_ms or None, grad_bytes or None)."""
     out = []
     for v in views:
         if v.card.role != STAGE_ROLE or v.card.state not in ("joining", "ready"):
@@ -48,7 +50,8 @@ def stage_members(views: list[CardView], stages: int) -> list[tuple]:
         s = card_int(v, "stage")
         if s is None or s >= stages:
             continue
-        out.append((v.peer_id, s, v.card.grpc_addr, card_int(v, "memory"), card_int(v, "compute_ms")))
+        out.append((v.peer_id, s, v.card.grpc_addr, card_int(v, "memory"), card_int(v, "compute_ms"),
+                    card_int(v, "grad_bytes")))
     return sorted(out, key=lambda m: (m[1], m[0]))
 
 
@@ -67,7 +70,9 @@ def _link(netem: NetemConfig, src: tuple, dst: tuple) -> LinkSpec | None:
 
 def build_cluster(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, activation_bytes: int) -> Cluster:
     """Cost model over `members`: compute from cards (else `compute_s`), memory from cards (else
-    `memory`), send costs from the netem description (else `default_latency_ms`)."""
+    `memory`), send costs from the netem description (else `default_latency_ms`) split into
+    latency and transfer, and each node's gradient time to every other (its card's `grad_bytes`
+    over the link): the replica exchange between iterations."""
     n = len(members)
     lat = [[0.0] * n for _ in range(n)]
     bw: list[list[float | None]] = [[None] * n for _ in range(n)]
@@ -81,19 +86,23 @@ def build_cluster(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig,
             else:
                 lat[i][j] = link.latency_ms / 1000
                 bw[i][j] = None if link.bandwidth_mbps is None else link.bandwidth_mbps * 1e6 / 8
+    grad = [[0.0 if i == j else lat[j][i] + (members[j][5] or 0) / (bw[j][i] or float("inf")) for i in range(n)]
+            for j in range(n)]
     return Cluster(compute=[(m[4] / 1000 if m[4] else cfg.compute_s) for m in members],
                    comm=comm_matrix(lat, bw, activation_bytes),
-                   memory=[m[3] or cfg.memory for m in members], names=[m[0] for m in members])
+                   memory=[m[3] or cfg.memory for m in members], names=[m[0] for m in members],
+                   latency=lat, grad_s=grad)
 
 
 def plan_for(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, activation_bytes: int,
-             epoch: int) -> Schedule:
-    """A validated schedule over `members` (pure; runs in a worker thread)."""
+             epoch: int) -> tuple[Schedule, Cluster]:
+    """A validated schedule over `members` and the cost model it was planned on (pure; runs in
+    a worker thread)."""
     cluster = build_cluster(members, cfg, netem, activation_bytes)
     partition = tuple(tuple(i for i, m in enumerate(members) if m[1] == s) for s in range(cfg.stages))
     sched = plan(cluster, partition, cfg.rules(), cfg.mb_per_origin, method=cfg.method, seed=cfg.seed,
                  time_budget_s=cfg.time_budget_s, epoch=epoch)
-    return validate_schedule(sched, cluster)
+    return validate_schedule(sched, cluster), cluster
 
 
 class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
@@ -138,8 +147,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
     async def _plan(self, members: list[tuple]) -> None:
         epoch = self.epoch + 1
         try:
-            sched = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
-                                            self.activation_bytes, epoch)
+            sched, cluster = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
+                                                     self.activation_bytes, epoch)
         except ScheduleViolation as exc:
             self.waiting_reason = f"planning failed: {exc}"
             log.error("no schedule for %d stage nodes: %s", len(members), exc,
@@ -155,11 +164,14 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             while len(self.replies) > KEEP_EPOCHS:
                 self.replies.popitem(last=False)
             self._changed.notify_all()
-        log.info("schedule epoch %d: %d nodes, %d paths, predicted %.3f s per iteration (%s)", epoch,
+        log.info("schedule epoch %d: %d nodes, %d paths, predicted makespan %.3f s (%s)", epoch,
                  len(members), len(sched.paths), sched.expected_makespan, sched.method,
                  extra={"event": "schedule_published", "epoch": epoch, "nodes": len(members),
                         "expected_makespan": sched.expected_makespan, "method": sched.method,
-                        "sha256": reply.sha256})
+                        "sha256": reply.sha256, "schedule": sched.to_dict(),
+                        "expected_period": iteration_period(cluster, sched.paths, sched.partitions).period,
+                        "cost_model": {"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
+                                       "latency": cluster.latency, "grad_s": cluster.grad_s}})
 
     async def _check_run(self, request, context) -> None:
         self._ensure_started()

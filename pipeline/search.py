@@ -7,6 +7,10 @@ keeps a move only if R1-R5 still hold and the simulated makespan improves, bound
 + one of those). Every returned schedule has passed `validate_schedule`. Pure functions; the
 coordinator (bootstrap role hook) calls `plan` and publishes the result.
 
+With between-iteration costs in the cost model (`Cluster.sync_s`, `eoi_s`: our extension) the
+search minimises the steady-state iteration period instead of one iteration's makespan, so it
+does not send an iteration's first hops to nodes still exchanging the last one's gradients.
+
 Every local-search move (reorder a path's stages, move a hop to another replica with spare
 capacity, swap replicas or whole routes between two microbatches, exchange one stage between two
 microbatches) keeps the per-stage visit counts and the per-node caps, so balance and the memory
@@ -24,15 +28,25 @@ from pipeline.allocation import Partition, allocate
 from pipeline.cluster import Cluster
 from pipeline.paths import PathRules, enumerate_paths, orderings, stage_violation
 from pipeline.schedule import Schedule, ScheduleViolation, stage_quota, validate_schedule
-from pipeline.simulator import SimulationDeadlock, simulate
+from pipeline.simulator import SimulationDeadlock, iteration_period, simulate
 
 LOAD_WEIGHT = 1.0
 """Greedy: seconds of penalty per microbatch already routed through a node, times its w."""
 
 
-def _objective(cluster: Cluster, paths: list, collision_aware: bool) -> tuple[float, float]:
+SYNC_ITERATIONS = 3
+"""Iterations chained per objective when the cost model has between-iteration costs."""
+
+
+def _objective(cluster: Cluster, paths: list, collision_aware: bool, partition: Partition) -> tuple[float, float]:
+    """What the search minimises: the simulated makespan, or with between-iteration costs in the
+    cost model (replica gradient exchange, EndOfIteration) the steady-state iteration period;
+    the mean microbatch completion breaks ties."""
     try:
         r = simulate(cluster, paths, exclusive=collision_aware)
+        if cluster.has_sync and collision_aware:
+            period = iteration_period(cluster, paths, partition, iterations=SYNC_ITERATIONS).period
+            return period, r.mean_completion
     except SimulationDeadlock:
         return math.inf, math.inf
     return r.makespan, r.mean_completion
@@ -108,7 +122,7 @@ def _balanced_paths(cluster: Cluster, partition: Partition, rules: PathRules, mb
                     prev = x
                 cost += 2 * cluster.send_s(prev, origin)
                 if by_sim:
-                    cost = _objective(cluster, out + [tuple(nodes)], True)
+                    cost = _objective(cluster, out + [tuple(nodes)], True, partition)
                 if cost < best_cost:
                     best, best_cost = tuple(nodes), cost
         for x in best[1:]:
@@ -204,7 +218,7 @@ def _moves(rng: random.Random, paths: list[tuple[int, ...]], partition: Partitio
 
 def _local_search(cluster, paths, partition, rules, caps, stage_of, rng, collision_aware,
                   max_iters, patience, deadline):
-    best = _objective(cluster, paths, collision_aware)
+    best = _objective(cluster, paths, collision_aware, partition)
     since = 0
     for _ in range(max_iters):
         if since >= patience or time.monotonic() > deadline:
@@ -213,7 +227,7 @@ def _local_search(cluster, paths, partition, rules, caps, stage_of, rng, collisi
         cand = _moves(rng, paths, partition, rules, caps, stage_of)
         if cand is None:
             continue
-        obj = _objective(cluster, cand, collision_aware)
+        obj = _objective(cluster, cand, collision_aware, partition)
         if obj < best:
             paths, best, since = cand, obj, 0
     return paths, best

@@ -8,13 +8,20 @@ with a priority queue instead of the official 10,000-bucket sweep. It does not c
 Semantics, per microbatch with node path [o, n1, ..., n_{L-1}] (o = its stage-0 originator):
 forward w[o] at o, then w[n_i] at each hop, back to o for the loss (0.25 w[o]), then backward
 1.5 w down the exact reversed path (each gradient goes to the hop's predecessor), ending with
-1.5 w[o] at o. Each hop's send costs c[x][y]. A node computes one thing at a time (TC2), taking
+1.5 w[o] at o. Each hop's send costs c[x][y]; with `Cluster.latency` a link serialises its
+messages for their transfer time and overlaps their latencies (as node/netem.py emulates). A node computes one thing at a time (TC2), taking
 ready work in (ready time, arrival) order; a forward needs a free slot of the node's memory
 window (a slot is held from that hop's forward start to its backward end) and is deferred until
 one frees (TC1; backwards and the loss never wait for a slot). After each compute the node
 stays busy for `gap_local` (next hop on the same node) or `gap_network` seconds. Makespan = the
 latest backward completion at any originator. All microbatches of an origin are ready at t = 0,
-in their order in `paths`.
+in their order in `paths`; `ready_at[x]` delays node x's first compute (and an origin's
+microbatches) to that time.
+
+`iteration_period` [ours: the paper's simulator stops at the makespan] chains iterations: each
+node takes the next iteration's work only after it aggregated (its last compute and every
+origin's EndOfIteration in) and received its replicas' gradients (`Cluster.grad_s`); the period
+is the time between successive iteration starts, what a swarm measures step to step.
 """
 
 from __future__ import annotations
@@ -57,9 +64,10 @@ class SimResult:
 
 def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], *,
              gap_local: float = 0.0, gap_network: float = 0.0,
-             exclusive: bool = True) -> SimResult:
+             exclusive: bool = True, ready_at: dict[int, float] | None = None) -> SimResult:
     """Simulate one iteration. `exclusive=False` lets a node overlap computes (no collision
-    model: the "non-ca" estimate); every real prediction uses the default True."""
+    model: the "non-ca" estimate); every real prediction uses the default True. `ready_at`:
+    a node computes nothing before its time (missing nodes: 0)."""
     paths = [tuple(p) for p in paths]
     for m, p in enumerate(paths):
         if len(p) < 2:
@@ -84,6 +92,17 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
         nonlocal seq
         heapq.heappush(events, (t, seq, kind, x, task))
         seq += 1
+
+    link_free: dict[tuple[int, int], float] = {}
+
+    def arrival(x: int, y: int, t: float) -> float:
+        """When a message sent at `t` from x reaches y (a link with `latency` is a FIFO pipe)."""
+        if not cluster.latency or x == y:
+            return t + cluster.send_s(x, y)
+        lat = cluster.latency[x][y]
+        start = max(t, link_free.get((x, y), 0.0))
+        link_free[(x, y)] = start + cluster.comm[x][y] - lat
+        return link_free[(x, y)] + lat
 
     def duration(x: int, kind: str) -> float:
         if kind == FWD:
@@ -125,8 +144,13 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
             busy[x] += end - t
             push(end, "done", x, task)
 
+    ready_at = ready_at or {}
+    for x in nodes:
+        if ready_at.get(x, 0.0) > 0:       # busy until then: a "free" event releases it
+            running[x] += 1
+            push(ready_at[x], "free", x)
     for m, p in enumerate(paths):
-        push(0.0, "arrive", p[0], (m, 0, FWD))
+        push(ready_at.get(p[0], 0.0), "arrive", p[0], (m, 0, FWD))
     done = 0
     while events:
         t, _, kind, x, task = heapq.heappop(events)
@@ -147,7 +171,7 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
                 gap = gap_local
             else:
                 y, ntask = nxt
-                push(t + cluster.send_s(x, y), "arrive", y, ntask)
+                push(arrival(x, y, t), "arrive", y, ntask)
                 gap = gap_local if y == x else gap_network
             if gap > 0:
                 push(t + gap, "free", x)
@@ -162,8 +186,56 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
             f"{ {x: len(v) for x, v in stuck.items()} }). Raise memory, or keep crossed swapped "
             "paths within the memory cap (PathRules.cap_visits_by_memory)")
     makespan = max(completion) if completion else 0.0
-    idle = {x: max(0.0, makespan - busy[x]) for x in nodes}
+    idle = {x: max(0.0, makespan - busy[x] - ready_at.get(x, 0.0)) for x in nodes}
     frac = sum(idle.values()) / (len(nodes) * makespan) if makespan > 0 else 0.0
     return SimResult(makespan=makespan, busy_s=busy, idle_s=idle, idle_fraction=frac,
                      queueing_s=queueing, deferred=len(deferred), max_in_flight=max_in_flight,
                      intervals=intervals, completion=completion)
+
+
+@dataclass
+class PeriodResult:
+    period: float
+    """Seconds between successive iteration starts in steady state (mean over the chained
+    iterations after the first)."""
+    makespan: float
+    """The first iteration's makespan (every node free at its start: `simulate`'s figure)."""
+    idle_fraction: float
+    """Idle share of the period over the nodes on some path (steady state)."""
+    periods: list[float] = field(default_factory=list)
+
+
+def iteration_period(cluster: Cluster, paths, groups, *, iterations: int = 4) -> PeriodResult:
+    """Chain `iterations` simulated iterations (module doc). `groups`: the nodes of each stage
+    (the schedule's partitions; group 0 = the origins). Node x aggregates at agg[x] = max(its
+    last compute, every origin's completion + that origin's EndOfIteration latency to x) and
+    steps at max(agg[x], agg[y] + grad_s[y][x] for every replica y); the next iteration starts
+    at the earliest origin's step, and every node is ready at its own step."""
+    if iterations < 2:
+        raise ValueError(f"iterations={iterations}: need >= 2 to measure a period")
+    groups = [tuple(g) for g in groups]
+    origins = groups[0]
+    nodes = sorted({x for g in groups for x in g})
+    ready: dict[int, float] = {}
+    periods, busy, first = [], 0.0, None
+    for _ in range(iterations):
+        r = simulate(cluster, paths, ready_at=ready)
+        first = r if first is None else first
+        done = {o: max((r.completion[m] for m, p in enumerate(paths) if p[0] == o), default=0.0) for o in origins}
+        last = {x: max((end for _, end, *_ in r.intervals.get(x, ())), default=ready.get(x, 0.0)) for x in nodes}
+        agg = {x: max(last[x], max(done[o] + cluster.latency_s(o, x) for o in origins)) for x in nodes}
+        step = {}
+        for g in groups:
+            for x in g:
+                grad = [agg[y] + cluster.grad_s[y][x] for y in g if y != x] if cluster.grad_s else []
+                step[x] = max([agg[x], *grad])
+        start = min(step[o] for o in origins)
+        ready = {x: t - start for x, t in step.items()}
+        periods.append(start)
+        busy = sum(r.busy_s.values())
+    steady = periods[1:]
+    period = sum(steady) / len(steady)
+    active = len(first.busy_s)
+    return PeriodResult(period=period, makespan=first.makespan,
+                        idle_fraction=max(0.0, 1 - busy / (active * period)) if period > 0 else 0.0,
+                        periods=periods)

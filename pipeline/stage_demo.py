@@ -13,22 +13,37 @@ DEFAULT_STEPS = 20
 """Pipeline iterations when ``swarmnode demo --role stage`` gets no ``--steps``."""
 
 DEFAULT_NODES = 9
-"""Stage nodes besides the bootstrap: 3 data nodes + 3 stages x 2 replicas. The coordinator
-waits for this many stage nodes (``schedule.expect_nodes``): with another ``--nodes`` pass
-``--set schedule.expect_nodes=N`` too (workers past the layout repeat it)."""
+"""Stage nodes besides the bootstrap: 3 data nodes + 3 stages x 2 replicas."""
 
-LAYOUT = (0, 0, 0, 1, 1, 2, 2, 3, 3)
-"""Stage index of worker i (i >= 9 repeats the layout)."""
+STAGES = 4
+"""Stage 0 (data, embedding, head) + 3 transformer stages of one block each."""
+
+LAYOUT = (0, 1, 2, 3, 0, 1, 2, 3, 0)
+"""Stage index of worker i (i >= 9 repeats it): any 4 or more workers cover every stage."""
+
+MB_PER_ORIGIN, PATH_STAGES = 3, 2
+"""Microbatches per data node per iteration; transformer stages each one visits (of 3)."""
 
 
-def node_settings(steps: int, nodes: int = DEFAULT_NODES) -> list[str]:
+def node_settings(steps: int) -> list[str]:
     """``--set`` overrides every node gets, the bootstrap (coordinator) included."""
-    return ["schedule.stages=4", "schedule.skip_ratio=0.3333333333333333", "schedule.mb_per_origin=3",
-            "schedule.memory=3", f"schedule.expect_nodes={nodes}", "schedule.settle_s=1.0",
-            "schedule.time_budget_s=3.0", "model.d_model=32", "model.n_layers=3", "model.n_heads=2",
-            "model.max_seq_len=32", "data.seq_len=32", "data.batch_size=4", "data.max_train_bytes=400000",
-            "data.max_val_bytes=40000", "stage.torch_threads=1", f"stage.iterations={steps}", "stage.eval_every=5",
-            "stage.lr=0.003"]
+    return [f"schedule.stages={STAGES}", "schedule.skip_ratio=0.3333333333333333",
+            f"schedule.mb_per_origin={MB_PER_ORIGIN}", "schedule.settle_s=1.0", "schedule.time_budget_s=3.0",
+            "model.d_model=32", "model.n_layers=3", "model.n_heads=2", "model.max_seq_len=32", "data.seq_len=32",
+            "data.batch_size=4", "data.max_train_bytes=400000", "data.max_val_bytes=40000", "stage.torch_threads=1",
+            "stage.eval_every=5", "stage.optim.lr=0.003", "stage.optim.warmup=0", f"stage.iterations={steps}"]
+
+
+def swarm_settings(nodes: int) -> list[str]:
+    """The coordinator waits for all `nodes` workers before planning, and each node's memory
+    window takes the visits its stage's share asks for (R5 caps visits per node by it)."""
+    if nodes < STAGES:
+        raise ValueError(f"the pipeline demo needs at least {STAGES} workers (one per stage), got {nodes}")
+    stages = [LAYOUT[i % len(LAYOUT)] for i in range(nodes)]
+    origins = stages.count(0)
+    visits = origins * MB_PER_ORIGIN * PATH_STAGES // (STAGES - 1)       # per transformer stage
+    replicas = min(stages.count(s) for s in range(1, STAGES))
+    return [f"schedule.expect_nodes={nodes}", f"schedule.memory={max(3, -(-visits // replicas))}"]
 
 
 def worker_settings(i: int) -> list[str]:

@@ -5,11 +5,13 @@ flight, later forwards deferred), source routing by (path ID, hop) against the i
 schedule, the predecessor each gradient goes back to, visit counts, the end-of-iteration
 barrier, the replica gradient exchange (visit-normalised: the stage gradient is the mean over
 the microbatches that visited the stage, whichever replica they visited) and the single
-clipped optimizer step per iteration; on stage-0 nodes also the data, embedding, head, loss
-and the in-order validation pass. Torch only: messages come in as `Msg` and go out as `Out`;
-pipeline/stage_role.py moves them over open tensor streams. Bad input raises `BadInput`
-(answered with an error by the caller); stale, duplicate or unroutable messages are dropped
-and counted in `dropped`.
+clipped optimizer step per iteration; on stage-0 nodes also the data, embedding, head and loss.
+It keeps a record per step (`records`: norms before/after clipping, visits, weight hash) and
+serves a consistent snapshot of weights + optimizer state (`snapshot`). Validation is
+pipeline/stage_eval.py; messages and tensor checks pipeline/stage_msgs.py. Torch only:
+messages come in as `Msg` and go out as `Out`; pipeline/stage_transport.py moves them. Bad
+input raises `BadInput` (answered with an error by the caller); stale, duplicate or
+unroutable messages are dropped and counted in `dropped`.
 
 Message kinds (meta values are ints; `it` iteration, `ep` schedule epoch):
 - ``fwd``  activation; `p` path ID, `h` the receiver's hop (len(path) = back at the origin)
@@ -17,16 +19,17 @@ Message kinds (meta values are ints; `it` iteration, `ep` schedule epoch):
 - ``eoi``  an origin finished all its microbatches of `it`
 - ``grad`` a replica's flat gradient sum of `it` with its visit count `v` (and `ne`, the newest
   schedule epoch it knows: stage 0 starts the next iteration on the largest)
-- ``ev``   validation activation along the full in-order path (`e` batch, `h` position; no
-  graph), tagged with the step count `it` whose weights it must see
+- ``ev``   validation along the full in-order path (pipeline/stage_eval.py)
 - ``fin``  the run is over (sent by the evaluating origin after the final validation)
 
 Messages of a later iteration are kept until this node gets there; of an earlier one dropped.
+Replicas exchange whole flat gradients and sum them in ascending peer-ID order
+(node/averaging.py), so every replica of a stage takes bitwise the same step.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,52 +38,17 @@ import torch
 from torch import Tensor, nn
 
 from models.llama import lm_loss
+from models.stages import check_hidden
 from node.averaging import mean_of
 from pipeline.schedule import Schedule
+from pipeline.stage_eval import EvalResult, InOrderEval
+from pipeline.stage_msgs import BadInput, Msg, OriginDone, Out, StepResult, as_hidden, placeholder, weights_sha256
 
 FUTURE_ITERATIONS = 2
 """Messages at most this many iterations ahead are kept for later; further ones are dropped."""
-
-
-class BadInput(ValueError):
-    """A message this node cannot use (wrong shape, wrong size); `reason` is a short label."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-
-
-@dataclass
-class Msg:
-    kind: str
-    sender: str
-    meta: dict[str, int]
-    tensor: Tensor | None = None
-
-
-@dataclass
-class Out:
-    dest: str
-    kind: str
-    meta: dict[str, int]
-    tensor: Tensor
-
-
-@dataclass
-class StepResult:
-    iteration: int
-    visits: int
-    total_visits: int
-    grad_norm: float
-    weights_sha256: str
-    loss: float | None
-    next_epoch: int
-
-
-@dataclass
-class EvalResult:
-    iteration: int
-    loss: float
+RECORDS_KEPT = 64
+"""Step records kept per node (CheckFree reads neighbours' norms of a recent common iteration)."""
+KINDS = ("fwd", "bwd", "eoi", "grad", "ev")
 
 
 @dataclass
@@ -100,36 +68,32 @@ class _Iter:
     losses: list[float] = field(default_factory=list)
 
 
-def weights_sha256(module: nn.Module) -> str:
-    """sha256 over the fp32 parameters in name order (replicas compare it after every step)."""
-    h = hashlib.sha256()
-    for name, p in module.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def _e(v: int) -> Tensor:
-    return torch.zeros(1)
-
-
 class StageExecutor:
     """One node's executor. `module` is models.stages.Stage0 (stage 0) or TransformerStage.
 
     `data()` (stage 0) returns the next training (tokens, targets); `eval_data` are the fixed
     validation batches (used by the origin that validates). `delay(kind)` (optional) is called
-    before each forward/backward/loss compute to emulate a slower device."""
+    before each forward/backward/loss compute to emulate a slower device. `scheduler` (optional)
+    steps once per iteration after the optimizer; `clip` None disables clipping. `autocast()`
+    returns the context forward passes run in (node.device.autocast; default none). `emit(outs)`
+    (optional) sends messages that are ready while this call still has computes to do (the
+    first microbatch leaves before the second is embedded, a gradient before a deferred
+    forward runs), as the simulator assumes; what a call returns is the rest."""
 
     def __init__(self, me: str, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 memory: int, clip: float = 1.0, data: Callable[[], tuple[Tensor, Tensor]] | None = None,
+                 memory: int, clip: float | None = 1.0, data: Callable[[], tuple[Tensor, Tensor]] | None = None,
                  eval_data: list[tuple[Tensor, Tensor]] | None = None,
-                 delay: Callable[[str], None] | None = None, device: torch.device | str = "cpu"):
+                 delay: Callable[[str], None] | None = None, device: torch.device | str = "cpu",
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 emit: Callable[[list[Out]], None] | None = None):
         if memory < 1:
             raise ValueError(f"memory={memory}: a node needs at least one microbatch slot")
-        self.me, self.stage, self.module, self.opt = me, stage, module, optimizer
-        self.memory, self.clip, self.data, self.eval_data = memory, clip, data, eval_data or []
+        self.me, self.stage, self.module, self.opt, self.sched = me, stage, module, optimizer, scheduler
+        self.memory, self.clip, self.data = memory, clip, data
         self.delay = delay or (lambda kind: None)
-        self.device = torch.device(device)
+        self.emit = emit
+        self.device, self.autocast = torch.device(device), autocast
         self.params = [p for _, p in module.named_parameters()]
         self.schedules: dict[int, Schedule] = {}
         self.epoch = 0                   # epoch this origin uses for its next iteration
@@ -141,9 +105,9 @@ class StageExecutor:
         self.deferred_total = 0
         self.microbatches: Counter = Counter()   # direction -> count
         self.events: list = []
+        self.records: deque[StepResult] = deque(maxlen=RECORDS_KEPT)
         self.finished = False
-        # validation (origin only)
-        self._eval: dict | None = None
+        self.evaluator = InOrderEval(module, self.device, eval_data or [], self.dropped, autocast)
 
     # ------------------------------------------------------------------ schedules
     def add_schedule(self, schedule: Schedule) -> None:
@@ -152,9 +116,6 @@ class StageExecutor:
         self.latest_epoch = max(self.latest_epoch, schedule.epoch)
         if self.iteration == 0 and not self._it:   # before training: start on the newest
             self.epoch = self.latest_epoch
-
-    def _sched(self, ep: int) -> Schedule | None:
-        return self.schedules.get(ep)
 
     def _idx(self, sched: Schedule, name: str) -> int | None:
         try:
@@ -178,7 +139,7 @@ class StageExecutor:
         st = self._it.get(self.iteration)
         if st is None:
             return "no message of this iteration yet"
-        sched = self._sched(st.epoch) if st.epoch is not None else None
+        sched = self.schedules.get(st.epoch) if st.epoch is not None else None
         eoi = sorted(set(sched.origins) - st.eoi) if sched else "?"
         return (f"in flight {sorted(st.inflight)}, deferred {len(st.deferred)}, eoi missing from origins {eoi}, "
                 f"replica grads from {sorted(st.grads)}")
@@ -190,7 +151,7 @@ class StageExecutor:
 
     def start_iteration(self) -> list[Out]:
         """Stage 0: start the current iteration's microbatches (up to `memory` at once)."""
-        sched = self._sched(self.epoch)
+        sched = self.schedules.get(self.epoch)
         if sched is None:
             raise RuntimeError(f"no schedule for epoch {self.epoch}; add_schedule first")
         me = self._idx(sched, self.me)
@@ -204,30 +165,52 @@ class StageExecutor:
         st.seqs, st.n_mine = deque(range(len(ids))), len(ids)
         outs: list[Out] = []
         while st.seqs and len(st.inflight) < self.memory:
-            outs += self._launch(st, sched, me)
-        outs += self._maybe_aggregate(st)
-        return outs
+            outs = self._flush(outs) + self._launch(st, sched, me)
+        return outs + self._maybe_aggregate(st)
+
+    def _flush(self, outs: list[Out]) -> list[Out]:
+        """Hand `outs` to `emit` now (more compute follows); returns what is left to return."""
+        if self.emit is None or not outs:
+            return outs
+        self.emit(outs)
+        return []
+
+    @staticmethod
+    def _hop_meta(st: _Iter, sched: Schedule, p: int, h: int) -> dict[str, int]:
+        """Every pipeline message names (iteration, epoch, path ID, hop, originator, mb_seq)."""
+        origin = sched.paths[p][0]
+        return {"ep": st.epoch, "p": p, "h": h, "o": origin, "q": sched.path_ids(origin).index(p)}
 
     def _launch(self, st: _Iter, sched: Schedule, me: int) -> list[Out]:
         seq = st.seqs.popleft()
         pid = sched.path_id(me, seq)
         tokens, targets = (t.to(self.device) for t in self.data())
         self.delay("forward")
-        h_out = self.module.embed_forward(tokens)
+        with self.autocast():
+            h_out = self.module.embed_forward(tokens)
         st.inflight[pid] = {"h_out": h_out, "targets": targets, "phase": "out", "seq": seq}
         self.microbatches["forward"] += 1
-        meta = {"it": self.iteration, "ep": st.epoch, "p": pid, "h": 1, "o": me, "q": seq}
-        return [Out(sched.names[sched.successor(pid, 0)], "fwd", meta, h_out.detach())]
+        meta = {"it": self.iteration, **self._hop_meta(st, sched, pid, 1)}
+        return [Out(sched.names[sched.successor(pid, 0)], "fwd", meta, h_out.detach().float())]
+
+    def start_eval(self) -> list[Out]:
+        """Origin: validate the full in-order model (weights after `iteration` steps)."""
+        sched = self.schedules[self.epoch]
+        return self.evaluator.start(sched, self._idx(sched, self.me), self.iteration)
+
+    def fin_messages(self) -> list[Out]:
+        """Origin: tell every node of the schedule that the run is over."""
+        sched = self.schedules[self.epoch]
+        return [Out(sched.names[x], "fin", {"it": self.iteration, "ep": sched.epoch}, placeholder())
+                for g in sched.partitions for x in g if sched.names[x] != self.me]
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, msg: Msg) -> list[Out]:
         """Process one message; returns what to send. Raises BadInput for unusable tensors."""
         it = msg.meta.get("it")
         if msg.kind == "fin":
-            self.finished = True
-            self.events.append("fin")
-            return []
-        if it is None or msg.kind not in ("fwd", "bwd", "eoi", "grad", "ev"):
+            return self._on_fin(msg)
+        if it is None or msg.kind not in KINDS:
             self.dropped["malformed"] += 1
             return []
         if it < self.iteration:
@@ -239,17 +222,19 @@ class StageExecutor:
             else:
                 self._future.append(msg)
             return []
-        sched = self._sched(msg.meta.get("ep", -1))
+        sched = self.schedules.get(msg.meta.get("ep", -1))
         if sched is None:
             self.dropped["unknown_epoch"] += 1
             return []
-        sender = self._idx(sched, msg.sender)
-        me = self._idx(sched, self.me)
+        sender, me = self._idx(sched, msg.sender), self._idx(sched, self.me)
         if sender is None or me is None:
             self.dropped["not_in_schedule"] += 1
             return []
         if msg.kind == "ev":
-            return self._on_eval(sched, msg, sender, me)
+            outs, result = self.evaluator.on_message(sched, msg, sender, me)
+            if result is not None:
+                self.events.append(result)
+            return outs
         st = self._state(it)
         if st.epoch is None:
             st.epoch = sched.epoch
@@ -265,13 +250,28 @@ class StageExecutor:
             if o != sender or o not in sched.origins:
                 self.dropped["unknown_origin"] += 1
                 return []
+            if o in st.eoi:
+                self.dropped["duplicate"] += 1
+                return []
             st.eoi.add(o)
             outs = []
         else:
             outs = self._on_grad(st, sched, msg)
         return outs + self._maybe_aggregate(st)
 
+    def _on_fin(self, msg: Msg) -> list[Out]:
+        sched = self.schedules.get(msg.meta.get("ep", -1))
+        sender = self._idx(sched, msg.sender) if sched is not None else None
+        if sender is None or sender not in sched.origins:
+            self.dropped["unknown_origin"] += 1
+            return []
+        self.finished = True
+        self.events.append("fin")
+        return []
+
     def _route(self, sched: Schedule, msg: Msg, sender: int, me: int) -> tuple[int, int, tuple] | None:
+        """(path ID, hop, path) if `msg` is where its path says it should be, from the node the
+        path says should send it; else None."""
         p, h = msg.meta.get("p", -1), msg.meta.get("h", -1)
         if not 0 <= p < len(sched.paths):
             return None
@@ -283,7 +283,8 @@ class StageExecutor:
                 ok = h == len(path) and path[0] == me and path[-1] == sender
         else:  # bwd: from the node after me
             ok = 0 <= h < len(path) and path[h] == me and sched.successor(p, h) == sender
-        if not ok or msg.meta.get("o", path[0]) != path[0]:
+        seq_ok = "q" not in msg.meta or msg.meta["q"] == sched.path_ids(path[0]).index(p)
+        if not ok or not seq_ok or msg.meta.get("o", path[0]) != path[0]:
             return None
         return p, h, path
 
@@ -294,52 +295,52 @@ class StageExecutor:
             return []
         p, h, path = r
         if h == len(path):                      # back at the origin: head, loss, backward
-            e = st.inflight.get(p)
-            if e is None or e["phase"] != "out":
-                self.dropped["duplicate"] += 1
-                return []
-            h_in = self._hidden(msg.tensor, e["h_out"].shape).requires_grad_()
-            self.delay("loss")
-            try:
-                logits = self.module.head_forward(h_in)
-            except ValueError as exc:
-                raise BadInput("shape", str(exc)) from None
-            loss = lm_loss(logits, e["targets"])
-            loss.backward()
-            st.losses.append(float(loss.detach()))
-            e["phase"] = "back"
-            self.microbatches["backward"] += 1
-            meta = {"it": self.iteration, "ep": st.epoch, "p": p, "h": len(path) - 1, "o": path[0]}
-            return [Out(sched.names[path[-1]], "bwd", meta, h_in.grad.detach())]
+            return self._loss(st, sched, msg, p, path)
         if p in st.inflight or p in st.finished or any(d.meta.get("p") == p for d in st.deferred):
             self.dropped["duplicate"] += 1
             return []
-        if msg.tensor is None:
-            raise BadInput("malformed", "a forward without an activation tensor")
+        try:                                   # refuse a bad tensor now, not when it leaves the queue
+            check_hidden(as_hidden(msg.tensor, self.device), self.module.cfg)
+        except ValueError as exc:
+            raise BadInput(getattr(exc, "reason", "shape"), str(exc)) from None
         if len(st.inflight) >= self.memory:    # TC1: no free slot -> defer
             st.deferred.append(msg)
             self.deferred_total += 1
             return []
         return self._compute_forward(st, sched, msg, p, h, sender)
 
-    def _hidden(self, t: Tensor | None, like=None) -> Tensor:
-        if t is None or not t.is_floating_point() or t.dim() != 3 or (like is not None and tuple(t.shape) != tuple(like)):
-            shape = None if t is None else tuple(t.shape)
-            raise BadInput("shape", f"activation of shape {shape} where {tuple(like) if like else '[B, T, d]'} "
-                                    "was expected: the sender runs a different model config or stage split")
-        return t.detach().to(self.device, torch.float32)
+    def _loss(self, st: _Iter, sched: Schedule, msg: Msg, p: int, path: tuple) -> list[Out]:
+        e = st.inflight.get(p)
+        if e is None or e["phase"] != "out":
+            self.dropped["duplicate"] += 1
+            return []
+        h_in = as_hidden(msg.tensor, self.device, e["h_out"].shape).requires_grad_()
+        self.delay("loss")
+        with self.autocast():
+            try:
+                logits = self.module.head_forward(h_in)
+            except ValueError as exc:
+                raise BadInput("shape", str(exc)) from None
+        loss = lm_loss(logits.float(), e["targets"])
+        loss.backward()
+        st.losses.append(float(loss.detach()))
+        e["phase"] = "back"
+        self.microbatches["backward"] += 1
+        meta = {"it": self.iteration, **self._hop_meta(st, sched, p, len(path) - 1)}
+        return [Out(sched.names[path[-1]], "bwd", meta, h_in.grad.detach())]
 
     def _compute_forward(self, st: _Iter, sched: Schedule, msg: Msg, p: int, h: int, sender: int) -> list[Out]:
-        x = self._hidden(msg.tensor).requires_grad_()
+        x = as_hidden(msg.tensor, self.device).requires_grad_()
         self.delay("forward")
-        try:
-            y = self.module(x)
-        except ValueError as exc:
-            raise BadInput("shape", str(exc)) from None
+        with self.autocast():
+            try:
+                y = self.module(x)
+            except ValueError as exc:
+                raise BadInput("shape", str(exc)) from None
         st.inflight[p] = {"x": x, "y": y, "pred": sender}
         self.microbatches["forward"] += 1
-        meta = {"it": self.iteration, "ep": st.epoch, "p": p, "h": h + 1, "o": sched.paths[p][0]}
-        return [Out(sched.names[sched.successor(p, h)], "fwd", meta, y.detach())]
+        meta = {"it": self.iteration, **self._hop_meta(st, sched, p, h + 1)}
+        return [Out(sched.names[sched.successor(p, h)], "fwd", meta, y.detach().float())]
 
     def _on_backward(self, st: _Iter, sched: Schedule, msg: Msg, sender: int, me: int) -> list[Out]:
         r = self._route(sched, msg, sender, me)
@@ -348,11 +349,11 @@ class StageExecutor:
             return []
         p, h, path = r
         e = st.inflight.get(p)
-        if e is None or (h == 0 and e.get("phase") != "back"):
+        if e is None or (h == 0) != ("h_out" in e) or (h == 0 and e["phase"] != "back"):
             self.dropped["duplicate"] += 1
             return []
         out_t = e["h_out"] if h == 0 else e["y"]
-        g = self._hidden(msg.tensor, out_t.shape)
+        g = as_hidden(msg.tensor, self.device, out_t.shape).to(out_t.dtype)
         self.delay("backward")
         out_t.backward(g)
         del st.inflight[p]
@@ -360,21 +361,22 @@ class StageExecutor:
         st.visits += 1
         self.microbatches["backward"] += 1
         outs: list[Out] = []
-        if h > 0:
-            meta = {"it": self.iteration, "ep": st.epoch, "p": p, "h": h - 1, "o": path[0]}
+        if h > 0:                                # gradient to the exact predecessor, then a slot is free
+            meta = {"it": self.iteration, **self._hop_meta(st, sched, p, h - 1)}
             outs.append(Out(sched.names[e["pred"]], "bwd", meta, e["x"].grad.detach()))
             while st.deferred and len(st.inflight) < self.memory:
                 d = st.deferred.popleft()
-                dr = self._route(sched, d, self._idx(sched, d.sender), me)
-                outs += self._compute_forward(st, sched, d, dr[0], dr[1], self._idx(sched, d.sender))
-        else:
-            st.done += 1
-            while st.seqs and len(st.inflight) < self.memory:
-                outs += self._launch(st, sched, me)
-            if st.done == st.n_mine:
-                st.eoi.add(me)
-                meta = {"it": self.iteration, "ep": st.epoch, "o": me}
-                outs += [Out(sched.names[x], "eoi", meta, _e(0)) for g in sched.partitions for x in g if x != me]
+                dp, dh, _ = self._route(sched, d, self._idx(sched, d.sender), me)
+                outs = self._flush(outs) + self._compute_forward(st, sched, d, dp, dh, self._idx(sched, d.sender))
+            return outs
+        st.done += 1                             # origin: one of my microbatches is complete
+        while st.seqs and len(st.inflight) < self.memory:
+            outs = self._flush(outs) + self._launch(st, sched, me)
+        if st.done == st.n_mine:
+            st.eoi.add(me)
+            self.events.append(OriginDone(self.iteration))
+            meta = {"it": self.iteration, "ep": st.epoch, "o": me}
+            outs += [Out(sched.names[x], "eoi", meta, placeholder()) for g in sched.partitions for x in g if x != me]
         return outs
 
     # ------------------------------------------------------------------ aggregation
@@ -386,9 +388,11 @@ class StageExecutor:
         return [sched.names[x] for x in sched.partitions[self.stage]]
 
     def _maybe_aggregate(self, st: _Iter) -> list[Out]:
+        """All origins' EndOfIteration in and nothing of ours outstanding: send our gradient sum
+        to every replica of the stage (and step once theirs are in)."""
         if st.grads_sent or st.epoch is None:
             return []
-        sched = self._sched(st.epoch)
+        sched = self.schedules[st.epoch]
         if set(sched.origins) - st.eoi or st.inflight or st.deferred:
             return []
         me = self._idx(sched, self.me)
@@ -406,7 +410,7 @@ class StageExecutor:
         if msg.sender not in self._replicas(sched) or msg.sender == self.me:
             self.dropped["not_a_replica"] += 1
             return []
-        if msg.sender in st.grads and msg.sender != self.me:
+        if msg.sender in st.grads:
             self.dropped["duplicate"] += 1
             return []
         n = sum(p.numel() for p in self.params)
@@ -421,32 +425,39 @@ class StageExecutor:
         return self._maybe_step(st, sched) if st.grads_sent else []
 
     def _maybe_step(self, st: _Iter, sched: Schedule) -> list[Out]:
+        """Every replica's gradient sum is in: g = (sum over replicas) / (total visits), clip,
+        and exactly one optimizer step."""
         if set(st.grads) != set(self._replicas(sched)):
             return []
-        order = sorted(st.grads)
+        order = sorted(st.grads)                     # ascending peer ID: bitwise equal on every replica
         total = sum(st.grads[r][0] for r in order)
         mean, finite = mean_of([[st.grads[r][1]] for r in order])
         flat = mean[0]
         if total > 0:
             flat = flat * (len(order) / total)       # sum / visits: the mean over visiting microbatches
-        norm = float("nan")
+        norm = clipped = float("nan")
         if finite and total > 0:
             off = 0
             for p in self.params:
                 k = p.numel()
                 p.grad = flat[off:off + k].view_as(p).to(p.device, p.dtype).clone()
                 off += k
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf")))
+            clipped = min(norm, self.clip) if self.clip else norm
             self.opt.step()                          # exactly once per iteration
         else:
             self.dropped["nonfinite_grad" if not finite else "no_visits"] += 1
+        if self.sched is not None:
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         loss = sum(st.losses) / len(st.losses) if st.losses else None
         next_epoch = max(st.grads[r][2] for r in order)
-        res = StepResult(self.iteration, st.visits, total, norm, weights_sha256(self.module), loss, next_epoch)
+        res = StepResult(self.iteration, st.visits, total, norm, clipped, weights_sha256(self.module), loss,
+                         next_epoch)
         del self._it[self.iteration]
         self.iteration += 1
-        self.epoch = max(self.epoch, next_epoch) if next_epoch in self.schedules else self.epoch
+        self.epoch = max(self.epoch, next_epoch)     # the role fetches it before start_iteration if unseen
+        self.records.append(res)
         self.events.append(res)
         return self._replay()
 
@@ -456,75 +467,28 @@ class StageExecutor:
         outs: list[Out] = []
         for m in ready:
             try:
-                outs += self.handle(m)
+                outs = self._flush(outs) + self.handle(m)
             except BadInput:
                 self.dropped["bad_input"] += 1
         return outs
 
-    # ------------------------------------------------------------------ validation
-    def start_eval(self) -> list[Out]:
-        """Origin: validate the full in-order model (weights after `iteration` steps)."""
-        sched = self._sched(self.epoch)
-        me = self._idx(sched, self.me)
-        if not self.eval_data:
-            raise RuntimeError("no validation batches on this node")
-        self._eval = {"it": self.iteration, "i": 0, "total": 0.0, "count": 0, "ep": sched.epoch, "o": me}
-        return self._eval_send(sched)
-
-    def _eval_send(self, sched: Schedule) -> list[Out]:
-        ev = self._eval
-        x, _ = self.eval_data[ev["i"]]
-        with torch.no_grad():
-            h = self.module.embed_forward(x.to(self.device))
-        meta = {"it": ev["it"], "ep": ev["ep"], "e": ev["i"], "h": 1, "o": ev["o"]}
-        return [Out(sched.names[sched.partitions[1][0]], "ev", meta, h)]
-
-    def _on_eval(self, sched: Schedule, msg: Msg, sender: int, me: int) -> list[Out]:
-        h, S = msg.meta.get("h", -1), len(sched.partitions)
-        if h == S:                               # back at the origin
-            ev = self._eval
-            if ev is None or msg.meta.get("o") != me or msg.meta.get("e") != ev["i"] \
-                    or sched.partitions[S - 1][0] != sender:
-                self.dropped["unknown_path"] += 1
-                return []
-            x, y = self.eval_data[ev["i"]]
-            with torch.no_grad():
-                try:
-                    logits = self.module.head_forward(self._hidden(msg.tensor))
-                except ValueError as exc:
-                    raise BadInput("shape", str(exc)) from None
-                loss = lm_loss(logits, y.to(self.device))
-            ev["total"] += float(loss) * y.numel()
-            ev["count"] += y.numel()
-            ev["i"] += 1
-            if ev["i"] < len(self.eval_data):
-                return self._eval_send(sched)
-            self.events.append(EvalResult(ev["it"], ev["total"] / ev["count"]))
-            self._eval = None
-            return []
-        expected = msg.meta.get("o", -1) if h == 1 else (sched.partitions[h - 1][0] if 1 < h < S else -1)
-        if not 1 <= h < S or sched.partitions[h][0] != me or sender != expected or expected not in \
-                (sched.origins if h == 1 else sched.partitions[h - 1]):
-            self.dropped["unknown_path"] += 1
-            return []
-        with torch.no_grad():
-            try:
-                y = self.module(self._hidden(msg.tensor))
-            except ValueError as exc:
-                raise BadInput("shape", str(exc)) from None
-        nxt = sched.partitions[h + 1][0] if h + 1 < S else msg.meta.get("o", -1)
-        if not (h + 1 < S or nxt in sched.origins):
-            self.dropped["unknown_origin"] += 1
-            return []
-        meta = dict(msg.meta, h=h + 1)
-        return [Out(sched.names[nxt], "ev", meta, y)]
-
-    def fin_messages(self) -> list[Out]:
-        """Origin: tell every node of the schedule that the run is over."""
-        sched = self._sched(self.epoch)
-        me = self._idx(sched, self.me)
-        return [Out(sched.names[x], "fin", {"it": self.iteration, "ep": sched.epoch}, _e(0))
-                for g in sched.partitions for x in g if x != me]
+    # ------------------------------------------------------------------ state
+    def snapshot(self) -> tuple[dict, dict[str, Tensor], dict[str, Tensor]]:
+        """(meta, weights, optimizer tensors) as host fp32 copies, consistent with the last step:
+        what node/state_sync.py serves (a same-stage replica copies both, CheckFree averages the
+        weights with the neighbours' norms from `meta`). Call between messages (compute thread)."""
+        last = self.records[-1] if self.records else None
+        meta = {"stage": self.stage, "iteration": self.iteration,
+                "grad_norm": last.grad_norm if last else float("nan"),
+                "grad_norm_clipped": last.grad_norm_clipped if last else float("nan"),
+                "weights_sha256": last.weights_sha256 if last else weights_sha256(self.module)}
+        weights = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.module.named_parameters()}
+        opt: dict[str, Tensor] = {}
+        for n, p in self.module.named_parameters():
+            for key, value in self.opt.state.get(p, {}).items():
+                if isinstance(value, Tensor):
+                    opt[f"{n}.{key}"] = value.detach().to("cpu", torch.float32, copy=True).reshape(value.shape)
+        return meta, weights, opt
 
 
-__all__ = ["BadInput", "EvalResult", "Msg", "Out", "StageExecutor", "StepResult", "weights_sha256"]
+__all__ = ["BadInput", "EvalResult", "Msg", "OriginDone", "Out", "StageExecutor", "StepResult", "weights_sha256"]

@@ -28,3 +28,13 @@ SCHEDULE_EPOCH = Gauge("swarmnode_pipeline_schedule_epoch", "Schedule epoch of t
                        registry=REGISTRY)
 STAGE_INDEX = Gauge("swarmnode_pipeline_stage_index", "Pipeline stage this node serves.", registry=REGISTRY)
 ITERATION = Gauge("swarmnode_pipeline_iteration", "Optimizer steps taken by this stage node.", registry=REGISTRY)
+HOP_SECONDS = Histogram("swarmnode_pipeline_hop_seconds",
+                        "Seconds from a message being queued at the sender to its arrival here (emulated link + "
+                        "codec + gRPC; wall clocks of the two nodes, so sync them across machines).",
+                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=REGISTRY)
+HOP_LINK_SECONDS = Counter("swarmnode_pipeline_hop_link_seconds_total",
+                           "Emulated-link seconds ([netem]) of the messages received here; hop seconds minus this is "
+                           "the transport's share.", registry=REGISTRY)
+SEND_RETRIES = Counter("swarmnode_pipeline_send_retries_total",
+                       "Failed attempts to deliver a pipeline message (each is retried on a fresh stream). If it "
+                       "keeps rising, the peer named in the WARN log is unreachable.", registry=REGISTRY)

@@ -1,26 +1,37 @@
 """The `stage` role: one SkipPipe pipeline stage on one node (pipeline.md §2.5, §5).
 
     swarmnode run --role stage --set stage.index=2 --initial-peers /ip4/…/p2p/12D3KooW…
+    swarmnode demo --role stage          # 3 data nodes + 3 stages x 2 replicas on 127.0.0.1
 
 Glue only: the executor (routing, memory window, deferral, visit-normalised replica averaging,
-the single step) is pipeline/stage_exec.py, the model split models/stages.py, the planner
-pipeline/search.py behind the bootstrap's `Schedule` service (pipeline/coordinator.py, hosted
-through `StageRole.bootstrap_services`). This module owns the node's side:
+the single step) is pipeline/stage_exec.py, validation pipeline/stage_eval.py, the streams
+pipeline/stage_transport.py, the model split models/stages.py, the planner pipeline/search.py
+behind the bootstrap's `Schedule` service (pipeline/coordinator.py, hosted through
+`StageRole.bootstrap_services`). This module owns the node's side:
 
-- its card carries `stage`, `memory` and `compute_ms` (what the coordinator plans with) and
-  `iteration`; it follows `Schedule.Watch` on the bootstrap, validates every schedule before
-  use and fetches an epoch it has not seen when a message names one;
-- one open tensor stream per neighbour it sends to (`protocol/streams.py`, channel `pipe`),
-  fed by a per-neighbour queue, so compute never waits for a slow link; incoming streams feed
-  one inbox; every message is handled on the compute thread (`node/compute.py`), in arrival
-  order; a message the executor cannot use (wrong shape) is answered with an `err` tensor on
-  the same stream, never a crash; stale/unknown ones are dropped and counted;
-- stage-0 nodes hold the data (a shard of the corpus picked from the peer ID), start each
-  iteration after their step, and the schedule's first originator validates the full in-order
-  model every `stage.eval_every` iterations; after `stage.iterations` it validates once more
-  and sends `fin` to every node, which then drains;
+- the stage's layers live on the configured device (node/device.py; forward passes under its
+  autocast; fp16 is refused, a pipeline would need one loss scale across stages);
+- its card carries `stage`, `memory` (microbatch slots), `compute_ms` (its measured forward
+  time plus `stage.compute_delay_s`), `grad_bytes` (what it exchanges with its replicas per
+  iteration), its device and `iteration` (what the coordinator plans with), and `cfg_hash`
+  (what its state depends on: donors for a recovering node are picked by it); it follows
+  `Schedule.Watch` on the bootstrap (calls signed for the bootstrap's peer ID), validates every
+  schedule before use (a violation is refused and logged with the rule) and fetches an epoch it
+  has not seen when a message or the replicas' agreement names one;
+- every message is handled on the compute thread (`node/compute.py`) in arrival order; one the
+  executor cannot use (wrong shape) is answered with an `err` on its stream, never a crash;
+  stale/unknown ones are dropped and counted (`swarmnode_pipeline_dropped_total{reason}`);
+- stage-0 nodes hold the data (shard = their position among the schedule's originators),
+  start each iteration after their step, and the schedule's first originator validates the
+  full in-order model every `stage.eval_every` iterations; after `stage.iterations` it
+  validates once more and sends `fin` to every node (waiting until they are sent), which then
+  drain; each node writes its weights and optimizer state (node/checkpoint.py) at the end and
+  every `stage.checkpoint_every` iterations;
+- its state (weights, optimizer, last norms, weight hash) is served after every step through
+  `WeightService.Fetch` (node/state_sync.py): replicas and recovering neighbours download it;
 - metrics (pipeline/stage_metrics.py) and one `stage_step` log line per step with the weight
-  hash, so replicas can be compared.
+  hash (replicas compare them), norms, visits, seconds and idle seconds; originators add
+  when their microbatches started and came back (`started_at`, `done_at`, unix seconds).
 """
 
 from __future__ import annotations
@@ -36,24 +47,31 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from models.config import DataConfig, ModelConfig
+from models.optim import build_optimizer, inner_lr_scheduler
 from models.stages import build_stage, stage_layer_ranges
 from node import metrics as NM
-from node.card import read_cards
+from node.card import CFG_HASH, read_cards
+from node.checkpoint import Checkpointer
 from node.compute import Compute
 from node.config import ConfigError
-from node.device import resolve_device
+from node.device import autocast, device_details, resolve_device
 from node.roles import RoleBase, Service, register
+from node.state_sync import StateServicer, StateSnapshot, add_state_service
 from pipeline import stage_metrics as M
 from pipeline.config import ScheduleConfig, StageConfig
 from pipeline.coordinator import ScheduleCoordinator, fetch_schedule, parse_reply
 from pipeline.schedule import ScheduleViolation
-from pipeline.stage_exec import BadInput, EvalResult, Msg, Out, StageExecutor, StepResult
+from pipeline.stage_exec import BadInput, EvalResult, OriginDone, StageExecutor, StepResult
+from pipeline.stage_timing import measure_forward_s
+from pipeline.stage_transport import StageTransport
 from protocol import pipeline_pb2, pipeline_pb2_grpc
-from protocol.streams import ChannelPool, StreamError, TensorStreamService, add_tensor_stream_to_server, open_stream
+from protocol.streams import add_tensor_stream_to_server
 
 log = logging.getLogger("swarmnode.stage")
 
-CHANNEL = "pipe"
+CHECKPOINT_FORMAT = "swarmnode-stage-v1"
+FIN_FLUSH_S = 10.0
+"""Longest wait for the `fin` messages to leave before the evaluating node drains."""
 
 
 class StageSettings(BaseModel):
@@ -68,6 +86,12 @@ class StageSettings(BaseModel):
 
 def activation_bytes(s: StageSettings) -> int:
     return s.data.batch_size * s.data.seq_len * s.model.d_model * 4
+
+
+def stage_cfg_hash(s: StageSettings) -> str:
+    """What a stage's weights depend on: nodes whose hashes differ cannot share state."""
+    body = f"{s.model.model_dump_json()}|{s.schedule.stages}|{s.stage.index}|{s.stage.stage0_layers}|{s.stage.seed}"
+    return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
 @register
@@ -87,6 +111,9 @@ class StageRole(RoleBase):
             raise ConfigError(f"model.n_layers / schedule.stages: {exc}") from None
         if s.data.seq_len > s.model.max_seq_len:
             raise ConfigError(f"data.seq_len={s.data.seq_len} > model.max_seq_len={s.model.max_seq_len}")
+        if config.device.precision == "fp16":
+            raise ConfigError("device.precision=\"fp16\" is not supported by the stage role (a pipeline would need "
+                              "one loss scale across stages); use \"bf16\" or \"fp32\"")
         return s
 
     @classmethod
@@ -103,19 +130,22 @@ class StageRole(RoleBase):
         self.me = ctx.peer_id
         self.module = build_stage(settings.model, self.cfg.seed, self.cfg.index, settings.schedule.stages,
                                   self.cfg.stage0_layers)
-        self.opt = torch.optim.AdamW(self.module.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.opt = build_optimizer(self.module.parameters(), self.cfg.optim)
+        self.lr_sched = inner_lr_scheduler(self.opt, self.cfg.optim)
+        self.cfg_hash = stage_cfg_hash(settings)
         self.compute = Compute(self.name)
-        self.max_bytes = int(self.cfg.max_activation_mb * 2 ** 20)
-        self.svc = TensorStreamService(run_id=ctx.config.run_id, peer_id=self.me, max_tensor_bytes=self.max_bytes,
-                                       on_reject=lambda reason: NM.TENSORS_REJECTED.labels(reason=reason).inc())
-        self.svc.register(CHANNEL, self._on_stream)
-        self.pool = ChannelPool()
-        self.addrs: dict[str, str] = {}
-        self.coordinator: str | None = None
+        self.net = StageTransport(run_id=ctx.config.run_id, me=self.me, netem=ctx.netem,
+                                  max_tensor_bytes=int(self.cfg.max_activation_mb * 2 ** 20),
+                                  send_timeout_s=self.cfg.iteration_timeout_s,
+                                  on_reject=lambda reason: NM.TENSORS_REJECTED.labels(reason=reason).inc())
+        self.checkpointer = Checkpointer(ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
+        self._snapshot: StateSnapshot | None = None
+        self._corpus = None                    # stage 0: the loaded corpus (train stream, validation batches)
+        self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
+        self.coordinator: tuple[str, str] | None = None   # (gRPC address, peer ID)
         self.ex: StageExecutor | None = None
         self._tasks: list[asyncio.Task] = []
-        self._outq: dict[str, asyncio.Queue] = {}
-        self._inbox: asyncio.Queue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None     # set in _main: the compute thread emits through it
         self._have_schedule = asyncio.Event()
         self._eval_start: float | None = None
         self._eval_end: float | None = None
@@ -123,55 +153,80 @@ class StageRole(RoleBase):
         self._loss_end: float | None = None
         self._last_step = time.monotonic()
         self._idle = 0.0
+        self._train_t0: float | None = None    # monotonic start of iteration 0
+        self._eval_s = 0.0                     # validation seconds since then (not training time)
+        self._eval_t0: float | None = None
+        self._origin_times: dict[int, list[float]] = {}
         self._done = False
 
     def services(self) -> list[Service]:
-        return [Service(add_tensor_stream_to_server, self.svc, "swarmnode.TensorStream")]
+        return [Service(add_tensor_stream_to_server, self.net.service, "swarmnode.TensorStream"),
+                Service(add_state_service, self.state_servicer, "swarmnode.WeightService")]
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
         await self.ctx.set_role_ready(False, "role_init", "building the stage and waiting for a schedule")
-        self._inbox = asyncio.Queue()
         M.STAGE_INDEX.set(self.cfg.index)
-        compute_ms = int(round(self.cfg.compute_delay_s * 1000))
-        self.ctx.card.update(publish=True, stage=self.cfg.index, memory=self.s.schedule.memory, iteration=0,
-                             **({"compute_ms": compute_ms} if compute_ms else {}))
+        for gauge in (NM.TRAIN_LOSS, NM.TRAIN_LOSS_INITIAL, NM.EVAL_LOSS, NM.EVAL_LOSS_INITIAL):
+            gauge.set(math.nan)          # until this node has one: transformer stages never compute a loss
         self.ctx.supervisor.spawn("stage_main", self._main, restart=False)
 
-    def _setup(self) -> None:
-        """Compute thread: device, data (stage 0) and the executor."""
-        self.device = resolve_device(self.ctx.config.device)
-        self.module.to(self.device)
-        data = eval_data = None
-        if self.cfg.index == 0:
-            from models.corpus import batches, eval_batches, load_corpus
-            corpus = load_corpus(self.s.data)
-            shard = int(hashlib.sha256(self.me.encode()).hexdigest(), 16) % 16
-            gen = batches(corpus.train, self.s.data.batch_size, self.s.data.seq_len, self.cfg.seed + 1,
-                          shard=shard, num_shards=16)
-            data = lambda: next(gen)  # noqa: E731
-            eval_data = eval_batches(corpus.val, self.s.data.batch_size, self.s.data.seq_len, self.cfg.eval_batches)
+    def _setup(self) -> dict:
+        """Compute thread: device, executor, the first snapshot; returns the card details."""
+        device = resolve_device(self.ctx.config.device)
+        self.module.to(device)
+        precision = self.ctx.config.device.precision
         d = self.cfg.compute_delay_s
         factors = {"forward": 1.0, "backward": 1.5, "loss": 0.25}
         delay = (lambda kind: time.sleep(d * factors[kind])) if d else None
+        eval_data = None
+        if self.cfg.index == 0:
+            from models.corpus import eval_batches, load_corpus
+            self._corpus = load_corpus(self.s.data)
+            eval_data = eval_batches(self._corpus.val, self.s.data.batch_size, self.s.data.seq_len,
+                                     self.cfg.eval_batches)
         self.ex = StageExecutor(self.me, self.cfg.index, self.module, self.opt, memory=self.s.schedule.memory,
-                                clip=self.cfg.clip, data=data, eval_data=eval_data, delay=delay, device=self.device)
+                                clip=self.cfg.optim.clip_norm, eval_data=eval_data, delay=delay, device=device,
+                                scheduler=self.lr_sched, autocast=lambda: autocast(device, precision),
+                                emit=lambda outs: self._loop.call_soon_threadsafe(self.net.send, outs))
+        self._take_snapshot()
+        forward_s = measure_forward_s(self.module, self.s.data.batch_size, self.s.data.seq_len, self.s.model,
+                                      device, lambda: autocast(device, precision))
+        return {**device_details(device), "compute_ms": max(1, int(round((forward_s + d) * 1000))),
+                "grad_bytes": 4 * sum(p.numel() for p in self.module.parameters())}
 
-    async def _find_coordinator(self) -> str:
+    def _take_snapshot(self) -> None:
+        meta, weights, opt = self.ex.snapshot()
+        self._snapshot = StateSnapshot(meta, weights, opt)
+
+    def _start_data(self) -> None:
+        """Compute thread, stage 0: this originator's shard of the training stream."""
+        from models.corpus import batches
+        sched = self.ex.schedules[self.ex.epoch]
+        shard = sched.origins.index(sched.names.index(self.me))
+        gen = batches(self._corpus.train, self.s.data.batch_size, self.s.data.seq_len, self.cfg.seed + 1,
+                      shard=shard, num_shards=len(sched.origins))
+        self.ex.data = lambda: next(gen)
+
+    async def _find_coordinator(self) -> tuple[str, str]:
         while True:
             try:
                 for v in await read_cards(self.ctx.membership.dht, self.ctx.config.run_id):
                     if v.card.role == "bootstrap" and v.card.grpc_addr:
-                        return v.card.grpc_addr
+                        return v.card.grpc_addr, v.peer_id
             except Exception as exc:  # noqa: BLE001 - retried
                 log.debug("reading cards: %r", exc)
             await asyncio.sleep(1.0)
+
+    def _coordinator_channel(self):
+        addr, peer_id = self.coordinator
+        return self.net.pool.get(addr, peer_id=peer_id)
 
     async def _watch(self) -> None:
         """Follow Schedule.Watch; reconnect on errors."""
         while True:
             try:
-                stub = pipeline_pb2_grpc.ScheduleStub(self.pool.get(self.coordinator))
+                stub = pipeline_pb2_grpc.ScheduleStub(self._coordinator_channel())
                 async for reply in stub.Watch(pipeline_pb2.GetScheduleRequest(run_id=self.ctx.config.run_id)):
                     try:
                         sched, addrs = parse_reply(reply)
@@ -187,15 +242,29 @@ class StageRole(RoleBase):
             await asyncio.sleep(1.0)
 
     async def _adopt(self, sched, addrs: dict[str, str]) -> None:
-        self.addrs.update(addrs)
+        self.net.addrs.update(addrs)
         await self.compute.run(self.ex.add_schedule, sched)
         log.info("schedule epoch %d adopted (%d paths, predicted %.3f s)", sched.epoch, len(sched.paths),
-                 sched.expected_makespan, extra={"event": "schedule_adopted", "epoch": sched.epoch})
+                 sched.expected_makespan, extra={"event": "schedule_adopted", "epoch": sched.epoch,
+                                                 "expected_makespan": sched.expected_makespan,
+                                                 "method": sched.method})
         if self.me in sched.names:
             self._have_schedule.set()
 
+    async def _fetch_epoch(self, ep: int) -> None:
+        try:
+            sched, addrs = await fetch_schedule(self._coordinator_channel(), self.ctx.config.run_id, ep)
+            await self._adopt(sched, addrs)
+        except (ScheduleViolation, grpc.aio.AioRpcError) as exc:
+            log.warning("could not fetch schedule epoch %d: %r", ep, exc)
+
     async def _main(self) -> None:
-        await self.compute.run(self._setup)
+        self._loop = asyncio.get_running_loop()
+        details = await self.compute.run(self._setup)
+        self.ctx.card.update(publish=True, stage=self.cfg.index, memory=self.s.schedule.memory, iteration=0,
+                             **{CFG_HASH: self.cfg_hash}, **details)
+        log.info("stage %d built on %s (cfg_hash %s)", self.cfg.index, details["device_kind"], self.cfg_hash,
+                 extra={"event": "stage_started", "stage": self.cfg.index, "cfg_hash": self.cfg_hash, **details})
         self.coordinator = await self._find_coordinator()
         self._tasks.append(asyncio.ensure_future(self._watch()))
         await self._have_schedule.wait()
@@ -206,10 +275,11 @@ class StageRole(RoleBase):
         M.SCHEDULE_EPOCH.set(self.ex.epoch)
         sched = self.ex.schedules[self.ex.epoch]
         if self.ex.is_origin(sched):
+            await self.compute.run(self._start_data)
             if self._evaluator():
-                self._dispatch(await self.compute.run(self.ex.start_eval))
+                await self._start_eval()
             else:
-                self._dispatch(await self.compute.run(self.ex.start_iteration))
+                await self._start_iteration()
         await self._pump()
 
     async def _settle(self) -> None:
@@ -225,78 +295,25 @@ class StageRole(RoleBase):
         sched = self.ex.schedules[self.ex.epoch]
         return sched.names[sched.origins[0]] == self.me
 
-    # ------------------------------------------------------------------ transport
-    async def _on_stream(self, stream) -> None:
-        sender = stream.peer.sender
-        async for r in stream:
-            try:
-                meta = {k: int(v) for k, v in r.meta.items()}
-            except ValueError:
-                M.DROPPED.labels(reason="malformed").inc()
-                continue
-            self._inbox.put_nowait((Msg(r.name, sender, meta, r.tensor), stream))
+    async def _start_iteration(self) -> None:
+        if self._train_t0 is None:
+            self._train_t0 = time.monotonic()
+        self._origin_times[self.ex.iteration] = [time.time()]
+        self.net.send(await self.compute.run(self.ex.start_iteration))
 
-    def _dispatch(self, outs: list[Out]) -> None:
-        for o in outs:
-            if o.dest == self.me:
-                self._inbox.put_nowait((Msg(o.kind, self.me, o.meta, o.tensor), None))
-                continue
-            q = self._outq.get(o.dest)
-            if q is None:
-                q = self._outq[o.dest] = asyncio.Queue()
-                self._tasks.append(asyncio.ensure_future(self._sender(o.dest, q)))
-            q.put_nowait(o)
-
-    async def _open(self, dest: str):
-        addr = self.addrs.get(dest)
-        if addr is None:
-            raise StreamError("refused", f"no address for {dest[:16]} in any schedule")
-        stream = await open_stream(self.pool.get(addr), run_id=self.ctx.config.run_id, sender=self.me,
-                                   channel_name=CHANNEL, max_tensor_bytes=self.max_bytes)
-        self._tasks.append(asyncio.ensure_future(self._replies(dest, stream)))
-        return stream
-
-    async def _replies(self, dest: str, stream) -> None:
-        """Errors a peer answers on our outgoing stream (e.g. wrong-shape activations)."""
-        try:
-            async for r in stream:
-                if r.name == "err":
-                    log.warning("%s refused a message: %s", dest[:16], r.meta.get("detail", ""),
-                                extra={"event": "pipeline_error_reply", "reason": r.meta.get("reason", "")})
-        except StreamError:
-            pass
-
-    async def _sender(self, dest: str, q: asyncio.Queue) -> None:
-        stream = None
-        while True:
-            o = await q.get()
-            tensor = o.tensor.detach().cpu().contiguous()
-            meta = {k: str(v) for k, v in o.meta.items()}
-            addr = self.addrs.get(dest, dest)
-            await self.ctx.netem.delay(addr, tensor.numel() * tensor.element_size())
-            for attempt in range(3):
-                try:
-                    if stream is None or stream.error is not None:
-                        stream = await self._open(dest)
-                    await stream.send(o.kind, tensor, meta, timeout=self.cfg.iteration_timeout_s)
-                    break
-                except (StreamError, TimeoutError, grpc.aio.AioRpcError) as exc:
-                    log.warning("send %s to %s failed (attempt %d): %r", o.kind, dest[:16], attempt + 1, exc,
-                                extra={"event": "pipeline_send_failed"})
-                    if stream is not None:
-                        stream.cancel()
-                    stream = None
-                    await asyncio.sleep(0.5)
+    async def _start_eval(self) -> None:
+        self._eval_t0 = time.monotonic()
+        self.net.send(await self.compute.run(self.ex.start_eval))
 
     # ------------------------------------------------------------------ the loop
     async def _pump(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._done:
             t0 = loop.time()
-            msg, reply = await self._inbox.get()
+            msg, reply = await self.net.inbox.get()
             if self.ex.in_flight or self.ex.iteration > 0:
-                M.IDLE_SECONDS.inc(loop.time() - t0)
                 self._idle += loop.time() - t0
+                M.IDLE_SECONDS.inc(loop.time() - t0)
             ep = msg.meta.get("ep")
             if ep is not None and ep not in self.ex.schedules and msg.meta.get("it", -1) >= self.ex.iteration:
                 await self._fetch_epoch(ep)
@@ -308,43 +325,39 @@ class StageRole(RoleBase):
                 NM.count_rejection(exc.reason)
                 log.warning("refused %s from %s: %s", msg.kind, msg.sender[:16], exc,
                             extra={"event": "pipeline_bad_input", "reason": exc.reason})
-                if reply is not None:
-                    try:
-                        await reply.send("err", torch.zeros(1), {"reason": exc.reason, "detail": str(exc)[:300]},
-                                         timeout=5.0)
-                    except (StreamError, TimeoutError):
-                        pass
+                await self.net.answer_error(reply, exc.reason, str(exc))
                 continue
+            except Exception:  # noqa: BLE001 - a bug must not leave the swarm waiting on a silent node
+                log.exception("the stage executor failed on %s from %s; draining", msg.kind, msg.sender[:16],
+                              extra={"event": "pipeline_failed"})
+                self._done = True
+                self.ctx.request_drain("stage_failed")
+                return
             for reason, n in self.ex.dropped.items():
                 if n > before.get(reason, 0):
                     M.DROPPED.labels(reason=reason).inc(n - before.get(reason, 0))
-            self._dispatch(outs)
+            self.net.send(outs)
             M.IN_FLIGHT.set(self.ex.in_flight)
             await self._after()
-
-    async def _fetch_epoch(self, ep: int) -> None:
-        try:
-            sched, addrs = await fetch_schedule(self.pool.get(self.coordinator), self.ctx.config.run_id, ep)
-            await self._adopt(sched, addrs)
-        except (ScheduleViolation, grpc.aio.AioRpcError) as exc:
-            log.warning("could not fetch schedule epoch %d: %r", ep, exc)
 
     async def _after(self) -> None:
         events, self.ex.events = self.ex.events, []
         for e in events:
-            if isinstance(e, StepResult):
+            if isinstance(e, OriginDone):
+                self._origin_times.setdefault(e.iteration, [math.nan]).append(time.time())
+            elif isinstance(e, StepResult):
                 await self._on_step(e)
             elif isinstance(e, EvalResult):
                 await self._on_eval(e)
             elif e == "fin":
-                self._finish()
+                await self._finish()
 
     async def _on_step(self, e: StepResult) -> None:
         now = time.monotonic()
         seconds, self._last_step = now - self._last_step, now
-        M.ITERATION_SECONDS.observe(seconds)
-        M.IDLE_FRACTION.set(min(1.0, self._idle / seconds) if seconds > 0 else 0.0)
         idle, self._idle = self._idle, 0.0
+        M.ITERATION_SECONDS.observe(seconds)
+        M.IDLE_FRACTION.set(min(1.0, idle / seconds) if seconds > 0 else 0.0)
         M.ITERATION.set(self.ex.iteration)
         M.SCHEDULE_EPOCH.set(self.ex.epoch)
         for direction in ("forward", "backward"):
@@ -357,39 +370,61 @@ class StageRole(RoleBase):
             self._loss_end = e.loss
         else:
             NM.TRAIN_STEPS.inc()
+        await self.compute.run(self._take_snapshot)
+        done = bool(self.cfg.iterations) and self.ex.iteration >= self.cfg.iterations
+        if done or (self.cfg.checkpoint_every and self.ex.iteration % self.cfg.checkpoint_every == 0):
+            await self.compute.run(self._save_checkpoint)
         self.ctx.card.update(iteration=self.ex.iteration)
+        origin = self._origin_times.pop(e.iteration, None)
         log.info("stage %d step %d: %d/%d visits, grad norm %.4f", self.cfg.index, e.iteration, e.visits,
                  e.total_visits, e.grad_norm,
                  extra={"event": "stage_step", "stage": self.cfg.index, "iteration": e.iteration,
                         "visits": e.visits, "total_visits": e.total_visits,
                         "grad_norm": None if math.isnan(e.grad_norm) else e.grad_norm,
+                        "grad_norm_clipped": None if math.isnan(e.grad_norm_clipped) else e.grad_norm_clipped,
                         "weights_sha256": e.weights_sha256, "loss": e.loss, "seconds": seconds, "idle_s": idle,
-                        "epoch": self.ex.epoch})
-        sched = self.ex.schedules[self.ex.epoch]
-        if not self.ex.is_origin(sched):
+                        "epoch": self.ex.epoch,
+                        **({"started_at": origin[0], "done_at": origin[-1]} if origin and len(origin) == 2 else {})})
+        if self.cfg.index != 0:
             return
-        done = self.cfg.iterations and self.ex.iteration >= self.cfg.iterations
+        if self.ex.epoch not in self.ex.schedules:      # the replicas agreed on an epoch we have not seen
+            await self._fetch_epoch(self.ex.epoch)
+        sched = self.ex.schedules.get(self.ex.epoch)
+        if sched is None or not self.ex.is_origin(sched):
+            log.warning("not an originator of schedule epoch %d (%s); waiting for a schedule that names this node",
+                        self.ex.epoch, "not fetched" if sched is None else "not in it")
+            return
         if self._evaluator() and (done or (self.cfg.eval_every and self.ex.iteration % self.cfg.eval_every == 0)):
-            self._dispatch(await self.compute.run(self.ex.start_eval))
+            await self._start_eval()
         elif not done:
-            self._dispatch(await self.compute.run(self.ex.start_iteration))
+            await self._start_iteration()
+
+    def _save_checkpoint(self) -> None:
+        self.checkpointer.save({"stage": self.module, "optimizer": self.opt, "lr_schedule": self.lr_sched},
+                               {"iteration": self.ex.iteration, "stage": self.cfg.index, "cfg_hash": self.cfg_hash})
 
     async def _on_eval(self, e: EvalResult) -> None:
+        if self._eval_t0 is not None and self._train_t0 is not None:
+            self._eval_s += time.monotonic() - self._eval_t0
+        train_s = 0.0 if self._train_t0 is None else time.monotonic() - self._train_t0 - self._eval_s
         NM.EVAL_LOSS.set(e.loss)
         if self._eval_start is None:
             self._eval_start = e.loss
             NM.EVAL_LOSS_INITIAL.set(e.loss)
         self._eval_end = e.loss
         log.info("validation (full in-order model) after %d iterations: %.4f", e.iteration, e.loss,
-                 extra={"event": "pipeline_eval", "iteration": e.iteration, "eval_loss": e.loss})
+                 extra={"event": "pipeline_eval", "iteration": e.iteration, "eval_loss": e.loss,
+                        "train_s": round(train_s, 3)})
         if self.cfg.iterations and e.iteration >= self.cfg.iterations:
-            self._dispatch(self.ex.fin_messages())
-            await asyncio.sleep(0.5)  # let the fin messages leave before draining
-            self._finish()
+            self.net.send(self.ex.fin_messages())
+            if not await self.net.flush(FIN_FLUSH_S):
+                log.warning("not every fin message left within %.0f s; those nodes stop on their own timeout",
+                            FIN_FLUSH_S)
+            await self._finish()
         else:
-            self._dispatch(await self.compute.run(self.ex.start_iteration))
+            await self._start_iteration()
 
-    def _finish(self) -> None:
+    async def _finish(self) -> None:
         if self._done:
             return
         self._done = True
@@ -397,7 +432,9 @@ class StageRole(RoleBase):
                  extra={"event": "training_finished", "iterations": self.ex.iteration, "stage": self.cfg.index,
                         "eval_loss_start": self._eval_start, "eval_loss_end": self._eval_end,
                         "train_loss_start": self._loss_start, "train_loss_end": self._loss_end,
-                        "dropped": dict(self.ex.dropped)})
+                        "dropped": dict(self.ex.dropped), "deferred": self.ex.deferred_total,
+                        "send_retries": self.net.retries, **self.net.hops.summary(),
+                        "checkpoint": str(self.checkpointer.latest_path() or "")})
         self.ctx.request_drain("finished")
 
     async def _watchdog(self) -> None:
@@ -416,11 +453,9 @@ class StageRole(RoleBase):
         self.compute.stop()
         for t in self._tasks:
             t.cancel()
-        for stream in list(self.svc.open_streams):
-            stream.cancel()
-        await self.pool.close()
+        await self.net.close()
         await self.compute.drain(max(0.1, budget_s / 4))
         self.compute.close()
 
 
-__all__ = ["StageRole", "StageSettings"]
+__all__ = ["StageRole", "StageSettings", "activation_bytes", "stage_cfg_hash"]

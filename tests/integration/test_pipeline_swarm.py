@@ -11,6 +11,7 @@ stream, is dropped and counted while training goes on.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections import defaultdict
@@ -18,14 +19,23 @@ from collections import defaultdict
 import pytest
 import torch
 
+from models.config import ModelConfig
+from models.stages import build_stage
 from node.localswarm import LocalSwarm, NodeProc
+from node.state_sync import OPTIMIZER_PREFIX, fetch_state
 from pipeline import stage_demo
 from protocol.streams import ChannelPool, StreamError, open_stream
+from security.keys import generate_key, peer_id_str
+from security.peer_auth import CallSigner, ClientAuth, set_client_auth
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ITERATIONS = 24
 N = 9
+DEADLINE_S = 200
+"""From starting the nodes to every node's exit. A quiet 2-core box needs ~45 s (mostly ten
+processes importing torch and starting their DHTs at once, ~5 s of training); the margin is
+for a box loaded by other jobs."""
 
 
 def events(node: NodeProc, event: str) -> list[dict]:
@@ -39,8 +49,8 @@ def events(node: NodeProc, event: str) -> list[dict]:
 
 
 async def _send_stray(addr: str, run_id: str) -> str | None:
-    """Send one forward from a peer outside the schedule; the gRPC code if it was refused at the
-    door (calls must be signed when security.peer_auth is on), else None (it was delivered)."""
+    """Send one forward from a peer outside the schedule; the gRPC code if it was refused (calls
+    must be signed when security.peer_auth is on), else None (it was delivered)."""
     pool = ChannelPool()
     try:
         stream = await open_stream(pool.get(addr), run_id=run_id, sender="12D3KooWstrayPeerNotInTheSchedule",
@@ -50,28 +60,58 @@ async def _send_stray(addr: str, run_id: str) -> str | None:
         await stream.close()
         return None
     except StreamError as exc:
+        print(f"stray message refused: {exc.detail}")
         return exc.code.name if exc.code is not None else exc.reason
     finally:
         await pool.close()
 
 
+async def _fetch_stage_state(node: NodeProc):
+    """The node's state over WeightService.Fetch (node/state_sync.py), as a recovering neighbour
+    would download it (`security.public_state`: any signed caller may)."""
+    settings = dict(item.split("=", 1) for item in stage_demo.node_settings(ITERATIONS) if item.startswith("model."))
+    cfg = ModelConfig(**{k.split(".", 1)[1]: json.loads(v) for k, v in settings.items()})
+    module = build_stage(cfg, 0, 1, stage_demo.STAGES)
+    expected = {n: (p.dtype, tuple(p.shape)) for n, p in module.named_parameters()}
+    optimizer = {f"{n}.{k}": (torch.float32, shape) for n, (_, shape) in expected.items()
+                 for k in ("exp_avg", "exp_avg_sq")}
+    optimizer.update({f"{n}.step": (torch.float32, ()) for n in expected})
+    key = generate_key()
+    set_client_auth(ClientAuth(CallSigner(key, "pipe"), lambda addr: None))
+    try:
+        cfg_hash = events(node, "stage_started")[0]["cfg_hash"]
+        return await fetch_state(f"127.0.0.1:{node.grpc_port}", "pipe", peer_id_str(key), cfg_hash, expected,
+                                 optimizer=optimizer, stage=1, timeout=20, peer_id=node.peer_id)
+    finally:
+        set_client_auth(None)
+
+
 def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
-    common = [*stage_demo.node_settings(ITERATIONS, N), "card.refresh_s=1", "drain.budget_s=10"]
+    common = [*stage_demo.node_settings(ITERATIONS), *stage_demo.swarm_settings(N), "card.refresh_s=1",
+              "drain.budget_s=10", "stage.iteration_timeout_s=60",  # a stuck node logs what it waits for
+              "security.public_state=true"]
     t0 = time.monotonic()
     with LocalSwarm(run_id="pipe", common_set=common, workdir=tmp_path) as swarm:
         boot = swarm.start("bootstrap", name="bootstrap")
         swarm.wait_ready([boot], timeout=60)
         nodes = [swarm.start("stage", name=f"stage-{i}", extra_set=stage_demo.worker_settings(i)) for i in range(N)]
         stage_of = {n.name: stage_demo.LAYOUT[i] for i, n in enumerate(nodes)}
-        stray_target = nodes[3]                                     # a stage-1 node
-        deadline = time.monotonic() + 100
+        stray_target = nodes[stage_demo.LAYOUT.index(1)]            # a stage-1 node
+        deadline = time.monotonic() + DEADLINE_S
         while stray_target.readyz() is None or stray_target.readyz().get("state") != "ready":
             assert time.monotonic() < deadline, "stage node never became ready"
             assert stray_target.alive(), stray_target.log_text()[-3000:]
             time.sleep(0.3)
         refused = asyncio.run(_send_stray(f"127.0.0.1:{stray_target.grpc_port}", "pipe"))
+        door = {k: v for k, v in stray_target.metrics().items() if k.startswith("swarmnode_rpc_rejected_total")}
+        live = {}
+        while stray_target.alive() and live.get("swarmnode_pipeline_iteration", 0) < 3:
+            live = stray_target.metrics() or live
+            time.sleep(0.2)
+        state_meta, state = asyncio.run(_fetch_stage_state(stray_target))
         for n in nodes:
             rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
+            assert rc is not None, f"{n.name} still running after {DEADLINE_S} s: {n.log_text()[-3000:]}"
             assert rc == 0, f"{n.name} exited with {rc}: {n.log_text()[-3000:]}"
         wall = time.monotonic() - t0
 
@@ -93,6 +133,25 @@ def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
     for stage in range(4):             # and the weights do move
         assert steps[(stage, 0)] != steps[(stage, ITERATIONS - 1)]
 
+    # the state a recovering neighbour downloads is the replica's weights after a whole step
+    k = int(state_meta["iteration"])
+    assert k >= 3 and int(state_meta["stage"]) == 1
+    digest = hashlib.sha256()
+    for name, tensor in state.items():
+        if not name.startswith(OPTIMIZER_PREFIX):
+            digest.update(name.encode())
+            digest.update(tensor.float().contiguous().numpy().tobytes())
+    assert digest.hexdigest() == state_meta["weights_sha256"] == steps[(1, k - 1)][stray_target.name]
+    assert float(state_meta["grad_norm"]) > 0
+
+    # the pipeline metrics of a live stage-1 node (read after >= 3 steps)
+    assert live["swarmnode_pipeline_stage_index"] == 1 and live["swarmnode_pipeline_schedule_epoch"] == 1, live
+    fwd = live['swarmnode_pipeline_microbatches_total{direction="forward"}']
+    assert fwd >= live['swarmnode_pipeline_microbatches_total{direction="backward"}'] >= 3, live  # next iteration's
+    # forwards may already have run when the step's counters are published
+    assert "swarmnode_pipeline_in_flight" in live and live["swarmnode_pipeline_idle_seconds_total"] > 0
+    assert live["swarmnode_pipeline_iteration_seconds_count"] >= 3
+
     finished = {n.name: events(n, "training_finished")[-1] for n in nodes}
     evals = [f for f in finished.values() if f["eval_loss_end"] is not None]
     assert len(evals) == 1, "exactly one data node validates the full in-order model"
@@ -101,6 +160,7 @@ def test_skippipe_swarm_trains_with_identical_replicas(tmp_path):
     stray = finished[stray_target.name]["dropped"]
     if refused is None:
         assert sum(stray.values()) >= 1, f"the stray message was not counted: {stray}"
-    else:
-        assert refused == "UNAUTHENTICATED", refused
-    assert wall < 120, f"the pipeline swarm took {wall:.0f} s"
+    else:  # refused at the door (calls must be signed); the client may see the server's abort as
+        # UNAUTHENTICATED or, when it races the hello write, as INTERNAL ("Internal error from Core")
+        assert door.get('swarmnode_rpc_rejected_total{reason="missing"}', 0) >= 1, (refused, door)
+    print(f"pipeline swarm: {ITERATIONS} iterations, {wall:.0f} s from start to exit")

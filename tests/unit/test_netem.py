@@ -157,3 +157,18 @@ def test_modelled_allreduce():
     assert modelled_allreduce_s(MB, 1, links) == 0.0
     assert modelled_allreduce_s(MB, 2, [LinkSpec(latency_ms=5)]) == pytest.approx(0.01)
     assert transfer_s(None, MB) == 0.0
+
+
+def test_message_link_pipelines_latency_and_shares_bandwidth():
+    """Back-to-back messages overlap their latency but queue for the bandwidth; an idle link
+    starts afresh; no link means no delay."""
+    from node.netem import MessageLink
+
+    link = MessageLink(LinkSpec(latency_ms=100, bandwidth_mbps=8))  # 1 MB/s: 1000 B = 1 ms
+    first = link.release_at(10.0, 1000)
+    second = link.release_at(10.0, 1000)
+    assert first == pytest.approx(10.101) and second == pytest.approx(10.102)   # not 10.202
+    assert link.release_at(20.0, 2000) == pytest.approx(20.102)                   # idle link
+    assert MessageLink(None).release_at(5.0, 10 ** 9) == 5.0
+    emu = LinkEmulator(NetemConfig(enabled=True, default=LinkSpec(latency_ms=7)))
+    assert emu.message_link("peer").release_at(1.0, 10) == pytest.approx(1.007)

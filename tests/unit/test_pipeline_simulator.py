@@ -2,11 +2,11 @@
 
 import pytest
 
-from pipeline.cluster import Cluster
+from pipeline.cluster import Cluster, ClusterError
 from pipeline.geo import geo_cluster
 from pipeline.paths import PathRules
 from pipeline.search import full_pipeline_schedule, random_schedule, skippipe_schedule
-from pipeline.simulator import SimulationDeadlock, simulate
+from pipeline.simulator import SimulationDeadlock, iteration_period, simulate
 
 EPS = 1e-9
 
@@ -136,3 +136,51 @@ def test_rejects_bad_paths():
         simulate(cluster, [(0, 5)])
     with pytest.raises(ValueError, match="needs an originator"):
         simulate(cluster, [(0,)])
+
+
+def test_ready_at_delays_a_node_and_its_origin():
+    cluster = _homogeneous(3, w=1.0, c=0.5)
+    base = simulate(cluster, [(0, 1, 2)])
+    assert base.makespan == pytest.approx(10.75)          # 2.5 x 3 w + 0.25 w + 6 sends x 0.5
+    later = simulate(cluster, [(0, 1, 2)], ready_at={1: 3.3})
+    assert min(s for s, *_ in later.intervals[1]) == pytest.approx(3.3)
+    assert later.makespan == pytest.approx(10.75 + 3.3 - 1.5)   # its first forward would start at 1.5
+    assert simulate(cluster, [(0, 1, 2)], ready_at={0: 2.0}).makespan == pytest.approx(12.75)
+
+
+def test_iteration_period_chains_the_replica_exchange_by_hand():
+    """Stage 1 has replicas 1 and 3; only node 1 is on the path. Without gradient times the
+    period is the makespan (10.75). With grad_s[3][1] = 3: every node hears the origin's
+    EndOfIteration 0.5 s after 10.75, node 1 steps at 11.25 + 3 = 14.25 while the origin starts
+    the next iteration at 10.75, so node 1 is ready 3.5 s into it instead of needing the
+    forward at 1.5: +2 s per iteration, steady from the second one."""
+    cluster = _homogeneous(4, w=1.0, c=0.5)
+    groups = ((0,), (1, 3), (2,))
+    assert iteration_period(cluster, [(0, 1, 2)], groups).period == pytest.approx(10.75)
+    grad = [[0.0] * 4 for _ in range(4)]
+    grad[3][1], grad[1][3] = 3.0, 0.2
+    synced = Cluster(compute=cluster.compute, comm=cluster.comm, memory=cluster.memory, grad_s=grad)
+    res = iteration_period(synced, [(0, 1, 2)], groups, iterations=4)
+    assert res.makespan == pytest.approx(10.75) and synced.has_sync and not cluster.has_sync
+    assert res.periods == pytest.approx([10.75, 12.75, 12.75, 12.75]) and res.period == pytest.approx(12.75)
+
+
+def test_links_serialise_messages_but_overlap_latency():
+    """With the latency split given, two forwards leaving node 0 for node 1 at once share the
+    link's transfer time (0.4 s each) and each still takes the 0.1 s latency."""
+    comm = [[0.0, 0.5, 0.5], [0.5, 0.0, 0.5], [0.5, 0.5, 0.0]]
+    lat = [[0.0, 0.1, 0.1], [0.1, 0.0, 0.1], [0.1, 0.1, 0.0]]
+    free = Cluster(compute=(0.0, 1.0, 1.0), comm=comm, memory=3)
+    piped = Cluster(compute=(0.0, 1.0, 1.0), comm=comm, memory=3, latency=lat)
+    paths = [(0, 1), (0, 1)]
+    first_fwd = lambda r: sorted(s for s, _, k, *_ in r.intervals[1] if k == "F")  # noqa: E731
+    assert first_fwd(simulate(free, paths)) == pytest.approx([0.5, 1.5])
+    assert first_fwd(simulate(piped, paths)) == pytest.approx([0.5, 1.5])       # compute-bound anyway
+    fast = Cluster(compute=(0.0, 0.1, 0.1), comm=comm, memory=3, latency=lat)
+    assert first_fwd(simulate(fast, paths)) == pytest.approx([0.5, 0.9])      # second waits for the link
+    assert first_fwd(simulate(Cluster(compute=(0.0, 0.1, 0.1), comm=comm, memory=3), paths)) == \
+        pytest.approx([0.5, 0.6])
+    with pytest.raises(ClusterError, match="latency"):
+        Cluster(compute=(1.0, 1.0), comm=[[0, 0.1], [0.1, 0]], memory=1, latency=[[0, 0.2], [0.2, 0]])
+    with pytest.raises(ClusterError, match="grad_s"):
+        Cluster(compute=(1.0, 1.0), comm=[[0, 0.1], [0.1, 0]], memory=1, grad_s=[[0.0, -1.0], [0.0, 0.0]])

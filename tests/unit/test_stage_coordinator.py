@@ -14,7 +14,8 @@ from node.card import CardView, NodeCard
 from node.netem import NetemConfig
 from pipeline.config import ScheduleConfig
 from pipeline.coordinator import build_cluster, parse_reply, plan_for, stage_members
-from pipeline.schedule import ScheduleViolation
+from pipeline.schedule import Schedule, ScheduleViolation
+from pipeline.simulator import simulate
 from protocol import pipeline_pb2
 
 
@@ -57,12 +58,16 @@ def test_cluster_uses_cards_and_the_netem_matrix():
 
 def test_plan_avoids_the_slow_replica_and_is_valid():
     members = stage_members(_views(), 4)
-    sched = plan_for(members, CFG, NetemConfig(), 4096, epoch=3)
+    sched, cluster = plan_for(members, CFG, NetemConfig(), 4096, epoch=3)
     assert sched.epoch == 3 and sched.names == tuple(m[0] for m in members)
     assert sched.partitions == ((0, 1, 2), (3, 4), (5, 6), (7, 8))
     visits = sched.node_visits()
     assert visits[5] <= visits[6]                          # the slow node gets no more than its twin
     assert all(v <= 3 for v in visits.values())
+    # the schedule is recomputable from what the coordinator logs: its body and cost model
+    assert sched.cost_hash == cluster.cost_hash()
+    again = Schedule.from_json(sched.to_json())
+    assert simulate(cluster, again.paths).makespan == pytest.approx(sched.expected_makespan)
 
 
 def _reply(sched, addrs):
@@ -73,7 +78,7 @@ def _reply(sched, addrs):
 
 def test_replies_are_checked_before_use():
     members = stage_members(_views(), 4)
-    sched = plan_for(members, CFG, NetemConfig(), 4096, epoch=1)
+    sched, _ = plan_for(members, CFG, NetemConfig(), 4096, epoch=1)
     addrs = {m[0]: m[2] for m in members}
     got, got_addrs = parse_reply(_reply(sched, addrs))
     assert got == sched and got_addrs == addrs
@@ -92,3 +97,22 @@ def test_replies_are_checked_before_use():
     with pytest.raises(ScheduleViolation) as exc:
         parse_reply(reply)
     assert exc.value.rule == "R1"
+
+
+def test_between_iteration_costs_come_from_links_and_card_grad_bytes():
+    """grad_s[y][x]: y's gradient (its card's grad_bytes) over the link to x, the latency split
+    out of comm; a planner with them minimises the steady-state period."""
+    views = _views()
+    for v in views[:9]:
+        v.card.details["grad_bytes"] = 1_000_000
+    members = stage_members(views, 4)
+    addrs = [m[2] for m in members]
+    lat = [[0 if i == j else (40 if {i, j} == {3, 4} else 10) for j in range(9)] for i in range(9)]
+    bw = [[1e9 if i == j else 80.0 for j in range(9)] for i in range(9)]       # 10 MB/s: 1 MB = 0.1 s
+    netem = NetemConfig(matrix={"nodes": addrs, "latency_ms": lat, "bandwidth_mbps": bw})
+    c = build_cluster(members, CFG, netem, activation_bytes=4096)
+    assert c.grad_s[4][3] == pytest.approx(0.040 + 0.1) and c.grad_s[6][5] == pytest.approx(0.010 + 0.1)
+    assert c.latency[3][4] == pytest.approx(0.040) and c.comm[3][4] == pytest.approx(0.040 + 4096 / 10e6)
+    assert c.latency_s(0, 3) == pytest.approx(0.010)
+    sched, cluster = plan_for(members, CFG, netem, 4096, epoch=1)
+    assert cluster.has_sync and cluster.cost_hash() == sched.cost_hash
