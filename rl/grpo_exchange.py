@@ -19,6 +19,7 @@ Owns grpo.md §3 steps 3-5 and §7's transport:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -225,7 +226,8 @@ class Inbox:
         until = self._banned_until.get(sender)
         return until is not None and round_ < until
 
-    def _refuse(self, sender: str, round_: int, reason: str, detail: str) -> None:
+    def refuse(self, sender: str, round_: int, reason: str, detail: str) -> None:
+        """Count one refused message from ``sender`` (a strike unless it is a ``quota`` refusal)."""
         self.rejected[reason] += 1
         self.on_reject(reason)
         log.info("refused rollouts from %s for round %d: %s (%s)", sender, round_, reason, detail,
@@ -250,16 +252,15 @@ class Inbox:
         if sender == self.self_id:
             return None
         if self.banned(sender, ex.round):
-            self._refuse(sender, ex.round, "quota", "sender is being ignored after repeated refusals")
+            self.refuse(sender, ex.round, "quota", "sender is being ignored after repeated refusals")
             return None
         if digest is not None:
-            import hashlib
             if hashlib.sha256(s.body).hexdigest() != digest:
-                self._refuse(sender, ex.round, "digest", "fetched body does not match the index digest")
+                self.refuse(sender, ex.round, "digest", "fetched body does not match the index digest")
                 return None
         batch, err = open_signed(s.body, s.signature, ex, sender)
         if err is not None:
-            self._refuse(sender, ex.round, reason_of(err), err.reason)
+            self.refuse(sender, ex.round, reason_of(err), err.reason)
             return None
         held = self.batches[ex.round].setdefault(sender, [])
         have = {g.prompt_id for b in held for g in b.groups}
