@@ -6,7 +6,8 @@ depths, one byte tokenizer) run as node processes on 127.0.0.1 and exchange sign
 batches through the DHT index + gRPC Fetch, for the same number of rounds, from the same warmed-up
 weights (the same ``grpo.model_seed`` per peer in every mode: the warm-up is computed once per
 peer and seed, before the swarms start, and loaded from ``grpo.warmup_cache_dir``). The three
-modes of one seed run side by side (three swarms at once), seeds one after the other.
+modes of one seed run side by side (three swarms at once, one run ID: the same prompts every
+round), seeds one after the other.
 
 Every peer logs its held-out accuracy (mean local reward of ``eval_samples`` completions per
 held-out prompt at the round temperature, fixed sampling seed) after the warm-up, every
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -48,12 +51,15 @@ from rl.grpo_demo import SIZES  # noqa: E402  (the demo's three heterogeneous pe
 MODES = ("solo", "uncorrected", "ftis")
 TARGETS = {"reward_gain_ftis_vs_solo": 1.2, "reward_ratio_ftis_vs_uncorrected": 1.05}
 
-QUICK = {"rounds": 40, "round_s": 2.0, "eval_every": 10}
+QUICK = {"rounds": 32, "round_s": 1.5, "eval_every": 16}
 FULL = {"rounds": 150, "round_s": 2.0, "eval_every": 25}
 
-GRPO: dict[str, Any] = {}
-"""[grpo] overrides every peer of every run shares (none: the role's defaults, recorded in the
-JSON); the modes differ only in ``grpo.mode``."""
+GRPO: dict[str, Any] = {"max_operand": 5, "eval_samples": 8}
+"""[grpo] settings every peer of every run shares on top of the role's defaults (the effective
+section is recorded in the JSON); the modes differ only in ``grpo.mode``. Sums of two operands
+0-5 (36 problems, as in ``swarmnode demo --role grpo``): the tiny CPU models learn them by RL
+within tens of rounds, so a 2-core quick run shows the comparison; 8 samples per held-out
+prompt (800 completions per evaluation) keep the evaluation noise near 0.015."""
 
 
 def peer_settings(mode: str, seed: int, index: int, rounds: int, round_s: float, eval_every: int,
@@ -118,12 +124,26 @@ def _peer_result(text: str) -> dict[str, Any]:
             "finished": done is not None}
 
 
+_SWARMS: list[LocalSwarm] = []
+
+
+def _stop_everything(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGINT: the node processes run in sessions of their own; kill them by PID."""
+    for swarm in list(_SWARMS):
+        for node in swarm.nodes:
+            swarm.kill(node)
+    os._exit(128 + signum)
+
+
 def run_swarm(mode: str, seed: int, p: dict[str, Any], cache: str, workdir: Path) -> dict[str, Any]:
     """Bootstrap + 3 peers for one (mode, seed); returns each peer's curves once all exited."""
     t0 = time.monotonic()
-    with LocalSwarm(run_id=f"grpo-{mode}-{seed}", workdir=workdir / f"{mode}-{seed}") as swarm:
+    # one run ID per seed: the three modes' swarms (separate DHTs, side by side on one clock) see
+    # the same prompts round by round, so the modes differ in how they learn, not in what
+    with LocalSwarm(run_id=f"grpo-bench-{seed}", workdir=workdir / f"{mode}-{seed}") as swarm:
+        _SWARMS.append(swarm)
+        # peers start with the bootstrap (they retry joining until it answers): saves a start-up
         boot = swarm.start("bootstrap", name="bootstrap")
-        swarm.wait_ready([boot], timeout=120)
         peers = [swarm.start("grpo", name=f"peer{i}",
                              extra_set=peer_settings(mode, seed, i, p["rounds"], p["round_s"], p["eval_every"], cache))
                  for i in range(len(SIZES))]
@@ -132,6 +152,7 @@ def run_swarm(mode: str, seed: int, p: dict[str, Any], cache: str, workdir: Path
             time.sleep(1.0)
         results = [_peer_result(n.log_text()) for n in peers]
         codes = [n.proc.poll() for n in peers]
+        swarm.kill(boot)            # its job is done: no drain needed
     for r, code in zip(results, codes):
         r["exit_code"] = code
     return {"mode": mode, "seed": seed, "peers": results, "wall_s": round(time.monotonic() - t0, 1)}
@@ -209,7 +230,7 @@ def run(quick: bool, out: Path, seeds: Sequence[int], rounds: int | None = None)
     if rounds:
         p["rounds"] = rounds
     t0 = time.monotonic()
-    cache = tempfile.mkdtemp(prefix="grpo-bench-warmup-")
+    cache = str(Path(GRPOConfig().warmup_cache_dir).expanduser())   # deterministic: reused across runs
     workdir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     with ProcessPoolExecutor(2) as pool:
         warm = list(pool.map(_prewarm_one, [(s, i, cache) for s in seeds for i in range(len(SIZES))]))
@@ -243,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds (the same for every mode; at least 3)")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per run")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_everything)
+    signal.signal(signal.SIGINT, _stop_everything)
     res = run(args.quick, args.out, list(range(args.seeds)), args.rounds)
     s = res["summary"]
     print(json.dumps({k: s[k] for k in ("reward_gain_ftis_vs_solo", "reward_ratio_ftis_vs_uncorrected",

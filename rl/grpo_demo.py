@@ -24,8 +24,9 @@ SIZES = ((32, 2, 4), (48, 2, 4), (64, 3, 4))
 
 def node_settings(steps: int) -> list[str]:
     """``--set`` overrides every peer gets (the user's own ``--set`` come after and win)."""
-    return ["grpo.torch_threads=1", "grpo.round_s=2", "grpo.eval_every=10", "model.max_seq_len=64",
-            "card.ttl_s=10", "card.refresh_s=2", f"grpo.exit_after_rounds={steps}"]
+    # sums of two operands 0-5 (36 problems): learnable by RL within tens of rounds on a CPU
+    return ["grpo.torch_threads=1", "grpo.round_s=2", "grpo.eval_every=10", "grpo.max_operand=5",
+            "model.max_seq_len=64", "card.ttl_s=10", "card.refresh_s=2", f"grpo.exit_after_rounds={steps}"]
 
 
 def worker_settings(index: int) -> list[str]:

@@ -35,12 +35,12 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from models.config import ModelConfig
-from node import metrics as NM
 from node.compute import Compute
 from node.device import device_details, record_memory, resolve_device
 from node.logs import set_context
+from node.metrics import record_train_step
 from node.roles import NodeContext, RoleBase, register
-from rl import grpo_metrics as M
+from rl import grpo_metrics
 from rl.grpo_config import GRPOConfig
 from rl.grpo_exchange import INDEX, Fetcher, Inbox, RolloutIndexEntry, RolloutServicer, Signed, \
     add_rollout_service, decode_shard, shards, sign_batch
@@ -77,7 +77,7 @@ class GRPORole(RoleBase):
     rendezvous = (INDEX,)
 
     def __init__(self, ctx: NodeContext, settings: RoleSettings):
-        self.ctx, self.s, self.cfg = ctx, settings, settings.grpo
+        self.ctx, self.settings, self.cfg = ctx, settings, settings.grpo
         self.run_id = ctx.config.run_id
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
@@ -89,7 +89,7 @@ class GRPORole(RoleBase):
         self.servicer = RolloutServicer(self.run_id)
         self.fetcher = Fetcher(ctx.config.grpc.max_message_bytes)
         self.inbox = Inbox(ctx.peer_id, self.cfg.max_rejections_per_sender, self.cfg.ban_rounds,
-                           on_reject=lambda reason: M.REJECTED.labels(reason=reason).inc())
+                           on_reject=lambda reason: grpo_metrics.REJECTED.labels(reason=reason).inc())
         self._stopping = False
         self._round_task: asyncio.Task | None = None
         self._publishing: asyncio.Task | None = None
@@ -149,7 +149,7 @@ class GRPORole(RoleBase):
         dc = self.ctx.config.device
         device = resolve_device(dc)
         t0 = time.monotonic()
-        self.learner = Learner(self.cfg, self.s.model, self.seed, self.run_id, self.ctx.peer_id,
+        self.learner = Learner(self.cfg, self.settings.model, self.seed, self.run_id, self.ctx.peer_id,
                                device=device, precision=dc.precision)
         self.warmup_steps, acc = self.learner.warmup(Path(self.cfg.warmup_cache_dir).expanduser())
         record_memory(device)
@@ -161,8 +161,8 @@ class GRPORole(RoleBase):
         learner = self.learner
         acc0 = info["accuracy"]
         self.accuracy_start = self.accuracy_last = acc0
-        M.ACCURACY_INITIAL.set(acc0)
-        M.ACCURACY.set(acc0)
+        grpo_metrics.ACCURACY_INITIAL.set(acc0)
+        grpo_metrics.ACCURACY.set(acc0)
         self.ctx.card.update(publish=True, cfg_hash=learner.config_hash, model_id=learner.model_id,
                              n_params=learner.n_params, mode=self.cfg.mode)
         if self.bus is not None:
@@ -184,7 +184,7 @@ class GRPORole(RoleBase):
             late = time.time() - self.round_start(r)
             if late > self.cfg.start_slack_frac * self.cfg.round_s:
                 self.skipped += 1
-                M.ROUNDS.labels(outcome="skipped").inc()
+                grpo_metrics.ROUNDS.labels(outcome="skipped").inc()
                 log.info("round %d: ready %.2f s after its start, skipping to the next", r, late,
                          extra={"event": "grpo_round_skipped", "round": r, "late_s": round(late, 3)})
                 next_round = r + 1
@@ -205,7 +205,7 @@ class GRPORole(RoleBase):
         self._stopping = True
         acc = await self.compute.run(self.learner.accuracy)
         self.accuracy_last = acc
-        M.ACCURACY.set(acc)
+        grpo_metrics.ACCURACY.set(acc)
         k = max(1, min(5, len(self.rewards) // 4))
         fields = {"rounds": self.trained, "skipped": self.skipped, "step": self.trained,
                   "accuracy_start": self.accuracy_start, "accuracy_end": acc,
@@ -226,10 +226,10 @@ class GRPORole(RoleBase):
         signed = await asyncio.to_thread(sign_batch, self.key, batch)
         self.servicer.put(r, signed)
         n_tok = batch.n_tokens()
-        M.WIRE_BYTES.labels(direction="sent").inc(len(signed.body))
-        M.WIRE_TOKENS.labels(direction="sent").inc(n_tok)
+        grpo_metrics.WIRE_BYTES.labels(direction="sent").inc(len(signed.body))
+        grpo_metrics.WIRE_TOKENS.labels(direction="sent").inc(n_tok)
         bytes_per_token = len(signed.body) / max(n_tok, 1)
-        M.BYTES_PER_TOKEN.set(bytes_per_token)
+        grpo_metrics.BYTES_PER_TOKEN.set(bytes_per_token)
         deadline = t_r + cfg.collect_frac * cfg.round_s
         # the publish is never cancelled by the deadline: a slow DHT store still lands for late readers
         self._publishing = asyncio.ensure_future(self._publish(r, signed, batch.n_tokens(), len(batch.groups)))
@@ -237,37 +237,37 @@ class GRPORole(RoleBase):
         await self._collect(r, deadline)
         foreign = self.inbox.take(r)
         senders = len(foreign)
-        M.PEERS_SEEN.set(senders)
-        M.PEERS_SEEN_HIST.observe(senders)
+        grpo_metrics.PEERS_SEEN.set(senders)
+        grpo_metrics.PEERS_SEEN_HIST.observe(senders)
         for b in foreign:
-            M.WIRE_TOKENS.labels(direction="received").inc(b.n_tokens())
+            grpo_metrics.WIRE_TOKENS.labels(direction="received").inc(b.n_tokens())
         if self._stopping:
             return
         st = await self.compute.run(self.learner.train, gen, foreign)
         self.trained += 1
         self.rewards.append(st.reward_local)
         if self.trained == 1:
-            M.REWARD_INITIAL.set(st.reward_local)
-        M.REWARD.set(st.reward_local)
-        M.ROUND.set(r)
-        M.ROUNDS.labels(outcome="ok" if st.n_foreign else "solo").inc()
-        M.ROLLOUTS.labels(source="local").inc(st.n_local)
-        M.ROLLOUTS.labels(source="peer").inc(st.n_foreign)
-        M.FILTERED_FRAC.set(st.filtered_frac)
-        M.FILTERED.inc(st.filtered)
-        M.WEIGHT_MEAN.set(st.weight_mean)
-        M.TRUNCATED_RATIO.set(st.truncated_frac)
-        M.KL_GEN_LOCAL.set(st.kl_foreign)
-        NM.record_train_step(st.loss, st.tokens, gen.seconds + st.seconds)
+            grpo_metrics.REWARD_INITIAL.set(st.reward_local)
+        grpo_metrics.REWARD.set(st.reward_local)
+        grpo_metrics.ROUND.set(r)
+        grpo_metrics.ROUNDS.labels(outcome="ok" if st.n_foreign else "solo").inc()
+        grpo_metrics.ROLLOUTS.labels(source="local").inc(st.n_local)
+        grpo_metrics.ROLLOUTS.labels(source="peer").inc(st.n_foreign)
+        grpo_metrics.FILTERED_FRAC.set(st.filtered_frac)
+        grpo_metrics.FILTERED.inc(st.filtered)
+        grpo_metrics.WEIGHT_MEAN.set(st.weight_mean)
+        grpo_metrics.TRUNCATED_RATIO.set(st.truncated_frac)
+        grpo_metrics.KL_GEN_LOCAL.set(st.kl_foreign)
+        record_train_step(st.loss, st.tokens, gen.seconds + st.seconds)
         if cfg.eval_every and self.trained % cfg.eval_every == 0 and \
                 not (cfg.exit_after_rounds and self.trained >= cfg.exit_after_rounds):
             self.accuracy_last = await self.compute.run(self.learner.accuracy)
-            M.ACCURACY.set(self.accuracy_last)
+            grpo_metrics.ACCURACY.set(self.accuracy_last)
             log.info("round %d: held-out accuracy %.3f after %d rounds", r, self.accuracy_last, self.trained,
                      extra={"event": "grpo_eval", "round": r, "trained": self.trained,
                             "accuracy": self.accuracy_last})
         dur = time.time() - t_r
-        M.ROUND_SECONDS.observe(dur)
+        grpo_metrics.ROUND_SECONDS.observe(dur)
         self.ctx.card.update(round=r)
         set_context(round=r)
         log.info("round %d: reward %.3f, %d own + %d foreign from %d peers (seen %d), filtered %.2f, "
@@ -280,7 +280,8 @@ class GRPORole(RoleBase):
                         "weight_mean": st.weight_mean, "loss": st.loss, "duration_s": round(dur, 3),
                         "accuracy": self.accuracy_last, "indexed": self._last_collect[0],
                         "fetched": self._last_collect[1], "bus": self._bus_up(),
-                        "bytes_per_token": round(bytes_per_token, 3), "filtered": st.filtered,
+                        "bytes_per_token": round(bytes_per_token, 3), "sent_bytes": len(signed.body),
+                        "sent_tokens": n_tok, "filtered": st.filtered,
                         "rejected": st.rejected})
 
     async def _publish(self, r: int, signed: Signed, n_tokens: int, n_groups: int) -> None:
@@ -335,7 +336,7 @@ class GRPORole(RoleBase):
                     if s is None:
                         continue
                     tried.add(pid)
-                    M.WIRE_BYTES.labels(direction="received").inc(len(s.body))
+                    grpo_metrics.WIRE_BYTES.labels(direction="received").inc(len(s.body))
                     self.inbox.offer(s, pid, ex, digest=e.digest)
             if bus_mode:
                 return
@@ -350,7 +351,7 @@ class GRPORole(RoleBase):
                 return
             now = self.now_round()
             try:
-                M.WIRE_BYTES.labels(direction="received").inc(len(d.data))
+                grpo_metrics.WIRE_BYTES.labels(direction="received").inc(len(d.data))
                 s = decode_shard(d.data)
                 rnd = decode(s.body, self.cfg.max_completion_tokens).round
             except RolloutRejected as e:

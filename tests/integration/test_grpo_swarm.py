@@ -73,7 +73,10 @@ def test_three_heterogeneous_peers_learn_and_a_killed_peer_stalls_nobody(tmp_pat
         assert fin["rounds"] == ROUNDS == len(rounds)
         # it learned from its peers: their batches arrived and entered its groups
         assert max(r["peers_seen"] for r in rounds) >= 2 and sum(r["n_foreign"] for r in rounds) > 0
-        assert all(r["bytes_per_token"] < 8.5 for r in rounds)   # 8 B/token + the header
+        # 8 bytes per token on the wire: what is not 8 B/token is a per-batch header of constant size
+        # (same groups and completion counts every round) while the token counts vary
+        assert len({r["sent_bytes"] - 8 * r["sent_tokens"] for r in rounds}) == 1
+        assert len({r["sent_tokens"] for r in rounds}) > 1
         # held-out accuracy rose
         assert fin["accuracy_end"] > fin["accuracy_start"], (p.name, fin)
         # the kill stalled nothing: rounds after it kept the clock and saw at most the 2 others
