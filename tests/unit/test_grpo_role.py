@@ -246,3 +246,40 @@ def test_warmup_is_cached_by_its_settings(tmp_path):
     other = Learner(cfg, mc, 1, RUN, "a")             # another seed: another key, warmed afresh
     assert other.warmup_key() != first.warmup_key()
     assert len(list(tmp_path.glob("grpo-warmup-*.pt"))) == 1
+
+
+def test_learner_runs_under_the_configured_precision():
+    """device.precision = "bf16" (autocast; weights stay fp32): a round samples, re-scores and
+    steps; sampled and re-scored log-probs agree to bf16 accuracy."""
+    cfg = GRPOConfig(prompts_per_round=2, completions_per_prompt=2, max_completion_tokens=8, heldout_size=2,
+                     warmup_target_acc=0)
+    learner = Learner(cfg, ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32), 0, RUN, "a",
+                      device="cpu", precision="bf16")
+    g = learner.generate(1)
+    mixed = learner.mix(g, [])
+    with torch.no_grad():
+        lp = learner.rescore(mixed)
+    m = learner.train_mask(mixed)
+    assert torch.allclose(lp[m], mixed.gen_logp[m], atol=0.1)
+    st = learner.train(g, [])
+    assert np.isfinite(st.loss) and all(p.dtype == torch.float32 for p in learner.model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_learner_samples_and_trains_on_cuda(precision):
+    """The same round on the GPU: sampling (KV cache), re-scoring and the step stay on the device;
+    the published batch is host data; a CPU peer accepts it."""
+    cfg = GRPOConfig(prompts_per_round=4, completions_per_prompt=2, max_completion_tokens=8, heldout_size=4,
+                     warmup_target_acc=0)
+    mc = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+    gpu = Learner(cfg, mc, 0, RUN, "g", device="cuda", precision=precision)
+    cpu = Learner(cfg, mc, 1, RUN, "c")
+    assert next(gpu.model.parameters()).is_cuda
+    g = gpu.generate(2)
+    batch = RO.decode(RO.encode(gpu.batch(g)))
+    assert RO.check(batch, Expect(RUN, 2, cpu.tokenizer_hash, cfg.temperature, 256, 8,
+                                  config_hash=cpu.config_hash)) is None
+    st = gpu.train(g, [RO.decode(RO.encode(cpu.batch(cpu.generate(2))))])
+    assert np.isfinite(st.loss) and st.n_foreign > 0
