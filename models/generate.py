@@ -5,6 +5,10 @@ top-p sampling with the per-token log-probs of the *processed* sampling distribu
 rollout sends as `gen_logp`), and teacher-forced re-scoring `log_softmax(logits / T)` of given
 completions (what the learner trains on). Knows nothing about rewards, the swarm or the loss.
 
+Works with any full causal LM that offers ``forward_cached(ids, valid, cache)`` (padded,
+KV-cached forward returning logits) and ``new_cache(batch, max_len, device)``: the embedded
+`models.llama.Llama` and the Hugging Face wrapper `models.hf_adapter.HFCausalLM`.
+
 Layout shared by both: completions are rows [N, L], right-padded, `mask` True on real tokens
 (up to and including the stop token), `prompt_index[i]` names the prompt of row i.
 """
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.llama import KVCache, Llama
+from torch import nn
 
 
 @dataclass
@@ -68,7 +72,7 @@ def processed_logprobs(logits: Tensor, temperature: float, top_k: int = 0,
 
 
 @torch.no_grad()
-def sample(model: Llama, prompts: list[list[int]], G: int, max_new_tokens: int,
+def sample(model: nn.Module, prompts: list[list[int]], G: int, max_new_tokens: int,
            temperature: float = 1.0, *, top_k: int = 0, top_p: float = 1.0,
            stop_token: int | None = None, generator: torch.Generator | None = None) -> Samples:
     """G completions per prompt in one KV-cached loop (one forward per new token, batch B*G)."""
@@ -78,7 +82,7 @@ def sample(model: Llama, prompts: list[list[int]], G: int, max_new_tokens: int,
     rows = [p for p in prompts for _ in range(G)]
     ids, valid = _left_pad(rows, device)
     N = len(rows)
-    cache = KVCache(model, N, ids.shape[1] + max_new_tokens, device=device)
+    cache = model.new_cache(N, ids.shape[1] + max_new_tokens, device=device)
     logits = model.forward_cached(ids, valid, cache)[:, -1]
     tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
     logp = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
@@ -103,7 +107,7 @@ def sample(model: Llama, prompts: list[list[int]], G: int, max_new_tokens: int,
     return Samples(tokens, logp, mask, truncated, index)
 
 
-def rescore(model: Llama, prompts: list[list[int]], tokens: Tensor, mask: Tensor,
+def rescore(model: nn.Module, prompts: list[list[int]], tokens: Tensor, mask: Tensor,
             prompt_index: Tensor, temperature: float = 1.0) -> Tensor:
     """Teacher-forced log_softmax(f(q ++ a_<t) / T)[a_t], fp32 [N, L], in one padded forward.
 

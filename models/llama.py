@@ -193,6 +193,10 @@ class Llama(nn.Module):
         """KV-cached / padded forward for sampling and re-scoring; see `_forward_cached`."""
         return _forward_cached(self, x, valid, cache)
 
+    def new_cache(self, batch: int, max_len: int, device=None) -> "KVCache":
+        """An empty KV cache for `forward_cached` (sampling)."""
+        return KVCache(self, batch, max_len, device=device)
+
 
 def build_model(cfg: ModelConfig, seed: int, layers: tuple[int, int] | None = None,
                 embed: bool = True, head: bool = True) -> Llama:

@@ -20,10 +20,16 @@ second). Its attributes:
 - ``FINISHED_FIELDS: dict[str, str]``: progress-row key -> field of that event;
 - optional ``worker_settings(i) -> list[str]``: extra ``--set`` for worker i (heterogeneous
   peers), ``swarm_settings(nodes) -> list[str]``: extra ``--set`` every node gets for a swarm
-  of ``nodes`` workers (e.g. how many the coordinator waits for), ``SUMMARY_KEYS``: row keys whose mean over workers the summary (``--json``) adds, and
-  ``DEMO_ORDER: int``: without ``--role`` the demo with the lowest order runs (default 100).
+  of ``nodes`` workers (e.g. how many the coordinator waits for), ``SUMMARY_KEYS``: row keys
+  whose mean over workers the summary (``--json``) adds, and ``DEMO_ORDER: int``: without
+  ``--role`` the demo with the lowest order runs (default 100);
+- optional ``PROGRESS_METRICS: dict[str, str]``: row key -> metric name (summed over its labels)
+  for figures the role-neutral metrics lack (they override a default key of the same name),
+  ``PROGRESS_COLUMNS: dict[str, str]``: label -> row key of the figures each progress line shows
+  after the step (default loss and rounds; a figure the role lacks is left out), and
+  ``summary_text(summary) -> str``: the closing line.
 
-The progress figures themselves come from the role-neutral metrics (``swarmnode_train_*``,
+The default progress figures come from the role-neutral metrics (``swarmnode_train_*``,
 ``swarmnode_eval_*``, ``swarmnode_outer_rounds_total``). Without any demo module installed (or
 with ``--role`` naming a role that has none) the demo is membership-only.
 """
@@ -101,6 +107,8 @@ def node_progress(node: NodeProc, demo: ModuleType | None = None) -> dict[str, A
            "rounds": _sum(m, "swarmnode_outer_rounds_total") if _m(m, "swarmnode_outer_rounds_total") is not None
            else None,  # None: the role has no outer rounds (e.g. a pipeline)
            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
+    for key, name in getattr(demo, "PROGRESS_METRICS", {}).items():
+        row[key] = _sum(m, name) if _m(m, name) is not None else None
     done = _finished_event(node, demo.FINISHED_EVENT) if demo is not None and not node.alive() else None
     if done:  # exact final figures, even if the last scrape missed them
         row.update({key: done[field] for key, field in demo.FINISHED_FIELDS.items()}, state="finished")
@@ -111,14 +119,18 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def print_progress(rows: list[dict[str, Any]], t: float) -> None:
+DEFAULT_COLUMNS = {"loss": "loss", "rounds": "rounds"}
+
+
+def print_progress(rows: list[dict[str, Any]], t: float, columns: dict[str, str] = DEFAULT_COLUMNS) -> None:
     parts = []
     for r in rows:
         if r["steps"] is None:
             parts.append(f"{r['name']}:{r['state']}")
         else:
-            rounds = "" if r["rounds"] is None else f" rounds {int(r['rounds'])}"
-            parts.append(f"{r['name']}: step {int(r['steps'])} loss {_fmt(r['loss'])}{rounds}")
+            figures = " ".join(f"{label} {_fmt(r.get(key), '.0f' if key == 'rounds' else '.3f')}"
+                               for label, key in columns.items() if not (key == "rounds" and r.get(key) is None))
+            parts.append(f"{r['name']}: step {int(r['steps'])} {figures}")
     print(f"[{t:6.1f}s] " + " | ".join(parts), flush=True)
 
 
@@ -171,7 +183,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 time.sleep(3.0)
                 finished = training and all(not w.alive() for w in workers)  # before reading: final rows
                 rows = [node_progress(w, demo) for w in workers]
-                print_progress(rows, time.monotonic() - t0)
+                print_progress(rows, time.monotonic() - t0, getattr(demo, "PROGRESS_COLUMNS", DEFAULT_COLUMNS))
                 if finished or (args.duration is not None and time.monotonic() - t0 >= args.duration):
                     break
         except KeyboardInterrupt:
@@ -182,7 +194,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for key in getattr(demo, "SUMMARY_KEYS", ()) if training else ():  # optional: role figures, mean over nodes
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         summary[key] = sum(vals) / len(vals) if vals else None
-    if training:
+    if training and hasattr(demo, "summary_text"):
+        print(f"summary: {demo.summary_text(summary)}", flush=True)
+    elif training:
         print(f"summary: {n} workers, {summary['steps']} steps, train loss {_fmt(summary['loss_start'])} -> "
               f"{_fmt(summary['loss_end'])}, eval loss {_fmt(summary['eval_loss_start'])} -> "
               f"{_fmt(summary['eval_loss_end'])}"

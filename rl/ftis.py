@@ -71,37 +71,43 @@ class FTISResult:
 
 
 def ftis_loss(logp: Tensor, gen_logp: Tensor, mask: Tensor, rewards: Tensor, group: Tensor,
-              foreign: Tensor, params: FTISParams = FTISParams(), *,
-              scale_rewards: ScaleRewards = "group", agg: LossAgg = "sample",
+              foreign: Tensor, params: FTISParams = FTISParams(), *, exclude: Tensor | None = None,
+              old_logp: Tensor | None = None, scale_rewards: ScaleRewards = "group", agg: LossAgg = "sample",
               n_slots: int | None = None, **loss_kwargs) -> FTISResult:
     """Mixed-group advantages + F-TIS loss for one round's samples, in any of the three modes.
 
     logp [N, L] learner log-probs (with grad) at the round temperature; gen_logp [N, L] the
     generator's (own rows: our sampling log-probs; foreign: from the wire); rewards [N] local;
     group [N] prompt index; foreign [N] bool. n_slots = S of the `sample` aggregation (round
-    config: B * (G + F)); default: rows that take part. loss_kwargs go to `grpo_loss`.
+    config: B * (G + F)); default: rows that take part. exclude [N] bool: rows a content filter
+    dropped (they leave the advantages and the loss but keep their slot in S). old_logp: the
+    learner's log-probs before this round's first step (mu > 1 steps per round): the importance
+    weights, the KL filter and the PPO ratio are taken against it; None (mu = 1) = logp itself.
+    loss_kwargs go to `grpo_loss`.
     """
     if params.mode not in MODES:
         raise ValueError(f"ftis mode {params.mode!r}; use one of {MODES}")
     foreign = foreign.bool()
     m = mask.bool()
     take_part = ~foreign if params.mode == "solo" else torch.ones_like(foreign)
+    if exclude is not None:
+        take_part = take_part & ~exclude.bool()
     adv = group_advantages(rewards, group, scale_rewards, valid=take_part)
+    before = logp.detach() if old_logp is None else old_logp.detach()
+    kl = sample_kl(before, gen_logp, m)
     if params.mode == "ftis":
-        w = truncated_weights(logp, gen_logp, params.C)
-        kl = sample_kl(logp, gen_logp, m)
+        w = truncated_weights(before, gen_logp, params.C)
         keep = kl_filter(adv, kl, params.delta)
     else:
         w = torch.ones_like(logp, dtype=torch.float32).detach()
-        kl = sample_kl(logp, gen_logp, m)
         keep = torch.ones_like(adv)
     keep = keep * take_part.float()
     rows = int(take_part.sum())
-    loss = grpo_loss(logp, adv, m, weights=w, keep=keep, agg=agg,
+    loss = grpo_loss(logp, adv, m, old_logp=old_logp, weights=w, keep=keep, agg=agg,
                      n_slots=n_slots if n_slots is not None else max(rows, 1), **loss_kwargs)
     fm = m & foreign[:, None]
     n_for_tok = int(fm.sum())
-    raw = torch.exp(logp.detach().float() - gen_logp.float())
+    raw = torch.exp(before.float() - gen_logp.float())
     filtered = int(((keep == 0) & take_part).sum())
     stats = FTISStats(
         n_local=int((~foreign).sum()), n_foreign=int(foreign.sum()), filtered=filtered,

@@ -16,10 +16,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+DEFAULT_RGYM_DATASETS = ("basic_arithmetic", "chain_sum", "base_conversion", "gcd", "lcm", "leg_counting",
+                         "decimal_arithmetic", "fraction_simplification", "propositional_logic")
+"""rl-swarm's nine reasoning-gym tasks (the ``rgym`` default mix)."""
+
 WIRE_VERSION = 1                       # = rl.rollout.WIRE_VERSION (checked by a unit test)
-BYTE_TOKENIZER_HASH = hashlib.sha256(b"swarmnode/byte-tokenizer/v1:256").hexdigest()[:16]
-"""Hash of the embedded byte tokenizer (models/tokenizer.py): the only tokenizer this role
-supports so far; every peer's models share it whatever their size."""
 
 
 class GRPOConfig(BaseModel):
@@ -28,8 +29,14 @@ class GRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     # ---- swarm-wide round config (hashed into config_hash; must match across peers) ----
-    task: Literal["arith"] = "arith"
-    """Verifiable task. ``arith``: sums of small integers with a local verifier (rl/tasks.py)."""
+    task: Literal["arith", "rgym"] = "arith"
+    """Verifiable task. ``arith``: sums of small integers with a local verifier (rl/tasks.py).
+    ``rgym``: reasoning-gym datasets (``pip install 'swarmnode[rgym]'``), scored by their own
+    ``score_answer`` on the ``<answer>`` span; for real models (``model.hf_path``), the embedded
+    byte-level demo models do not learn them."""
+
+    rgym_datasets: list[str] = Field(default_factory=lambda: list(DEFAULT_RGYM_DATASETS), min_length=1)
+    """reasoning-gym dataset names mixed by ``task = "rgym"`` (default: rl-swarm's nine)."""
 
     min_operands: int = Field(2, ge=2, le=6)
     """Fewest operands of an ``arith`` problem."""
@@ -41,12 +48,13 @@ class GRPOConfig(BaseModel):
     max_operand: int = Field(9, ge=1, le=999)
     """Largest operand value (0..max_operand)."""
 
-    prompts_per_round: int = Field(8, ge=1, le=256)
+    prompts_per_round: int = Field(16, ge=1, le=256)
     """B: prompts every peer answers each round (the same on every peer, seeded by run and
     round). More: less noisy steps, longer rounds."""
 
-    completions_per_prompt: int = Field(4, ge=2, le=64)
-    """G: completions a peer samples per prompt (its local group share)."""
+    completions_per_prompt: int = Field(2, ge=2, le=64)
+    """G: completions a peer samples per prompt (its local group share). 2 (rl-swarm ran 2-4)
+    keeps generation cheap; with peers each group holds G + F completions."""
 
     temperature: float = Field(0.7, gt=0, le=4.0)
     """Sampling temperature T; also the temperature of the learner's re-scoring. A batch
@@ -74,10 +82,11 @@ class GRPOConfig(BaseModel):
     negative-advantage foreign samples), ``uncorrected`` (foreign samples treated as on-policy:
     the baseline of existing swarms), ``solo`` (publish but never learn from peers)."""
 
-    foreign_per_prompt: int = Field(8, ge=0, le=256)
-    """F: most foreign completions added to each prompt's group."""
+    foreign_per_prompt: int = Field(4, ge=0, le=256)
+    """F: most foreign completions added to each prompt's group (SAPO found 4 local + 4 external
+    best). Size it to (peers - 1) * G; extra peers' completions are sampled into the F slots."""
 
-    per_sender_per_prompt: int = Field(4, ge=1, le=64)
+    per_sender_per_prompt: int = Field(2, ge=1, le=64)
     """Most completions one sender contributes to one group (bounds a single peer's pull)."""
 
     max_senders: int = Field(16, ge=1, le=1024)
@@ -91,8 +100,20 @@ class GRPOConfig(BaseModel):
     """F-TIS KL threshold: a foreign sample with negative advantage and KL(gen || local) above
     this is dropped. Lower: more filtering."""
 
-    lr: float = Field(1e-3, gt=0)
-    """Adam learning rate of the GRPO step."""
+    lr: float = Field(2e-4, gt=0)
+    """Adam learning rate of the GRPO step. For the embedded demo models 1e-3 overshoots in one
+    step (held-out reward collapses within tens of rounds); real checkpoints want ~1e-6."""
+
+    steps_per_round: int = Field(2, ge=1, le=16)
+    """mu: optimizer steps on each round's batch. The first is the plain (F-TIS) policy-gradient
+    step; later ones re-score and clip the ratio to the first pass (PPO-style, ``epsilon``,
+    ``epsilon_high``). More: faster learning per round, proportionally more training compute."""
+
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    """Lower clip of the ratio (1 - epsilon) for steps after the first (negative advantages)."""
+
+    epsilon_high: float = Field(0.28, gt=0)
+    """Upper clip of the ratio (1 + epsilon_high) for steps after the first (positive advantages)."""
 
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage normalisation: std within the group, over the round, or none (Dr.GRPO)."""
@@ -130,9 +151,15 @@ class GRPOConfig(BaseModel):
     """Seed of this peer's initial weights. None: derived from the peer ID (every peer starts
     different)."""
 
-    warmup_target_acc: float = Field(0.3, ge=0, le=1)
-    """Supervised warm-up on reference solutions runs until greedy held-out accuracy reaches
-    this (so rewards start non-zero with variance). 0 disables the warm-up."""
+    warmup_target_acc: float = Field(0.15, ge=0, le=1)
+    """Supervised warm-up on reference solutions runs until held-out accuracy reaches this (so
+    rewards start non-zero, with variance within groups). 0 disables the warm-up (real
+    checkpoints: ``model.hf_path``)."""
+
+    warmup_cache_dir: str = "~/.cache/swarmnode/grpo-warmup"
+    """Folder keeping warmed-up weights, keyed by a hash of the model, seed, task and warm-up
+    settings, so a restart, a second demo or another benchmark run of the same peer skips the
+    warm-up (a few seconds to a minute on a CPU). Files are local and loaded weights-only."""
 
     warmup_max_steps: int = Field(400, ge=0)
     """Most warm-up steps (batch ``warmup_batch``)."""
@@ -153,6 +180,10 @@ class GRPOConfig(BaseModel):
     of the task's held-out split, never trained on (generalisation to unseen sums; the tiny demo
     models barely move on it within tens of rounds)."""
 
+    eval_samples: int = Field(4, ge=1, le=64)
+    """Completions sampled per held-out prompt for the accuracy metric (at the round
+    temperature, fixed seed). More: less noise, slower evaluations."""
+
     eval_every: int = Field(5, ge=0)
     """Held-out accuracy every this many trained rounds (0 = only at start and end)."""
 
@@ -170,15 +201,17 @@ class GRPOConfig(BaseModel):
                              f"{self.max_operands}")
         return self
 
-    def round_config(self) -> dict:
-        """The swarm-wide fields (what ``config_hash`` covers)."""
-        return {"task": self.task, "operands": [self.min_operands, self.max_operands, self.max_operand],
-                "B": self.prompts_per_round, "G": self.completions_per_prompt,
+    def round_config(self, tokenizer_hash: str, chat_template_hash: str = "") -> dict:
+        """The swarm-wide fields (what ``config_hash`` covers); the hashes come from the policy
+        (models/policy.py)."""
+        task = ({"task": "arith", "operands": [self.min_operands, self.max_operands, self.max_operand]}
+                if self.task == "arith" else {"task": "rgym", "datasets": sorted(self.rgym_datasets)})
+        return {**task, "B": self.prompts_per_round, "G": self.completions_per_prompt,
                 "T": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
                 "cap": self.max_completion_tokens, "round_s": self.round_s,
-                "tokenizer": BYTE_TOKENIZER_HASH, "wire": WIRE_VERSION}
+                "tokenizer": tokenizer_hash, "chat_template": chat_template_hash, "wire": WIRE_VERSION}
 
-    def config_hash(self) -> str:
+    def config_hash(self, tokenizer_hash: str, chat_template_hash: str = "") -> str:
         """sha256 (16 hex) of :meth:`round_config`: peers with another hash are refused."""
-        raw = json.dumps(self.round_config(), sort_keys=True).encode()
+        raw = json.dumps(self.round_config(tokenizer_hash, chat_template_hash), sort_keys=True).encode()
         return hashlib.sha256(raw).hexdigest()[:16]

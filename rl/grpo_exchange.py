@@ -19,6 +19,7 @@ Owns grpo.md §3 steps 3-5 and §7's transport:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from node.rendezvous import Rendezvous
 from protocol import rollouts_pb2, rollouts_pb2_grpc
 from protocol.grpc_options import channel_options
 from protocol.streams import signed_channel
-from rl import rollout as RO
+from rl import rollout
 from rl.rollout import Expect, RolloutBatch, RolloutRejected
 from security.keys import sign, verify
 
@@ -51,7 +52,7 @@ class Signed:
 
 
 def sign_batch(key: Ed25519PrivateKey, batch: RolloutBatch) -> Signed:
-    return Signed(RO.encode(batch), sign(key, RO.signing_bytes(batch)))
+    return Signed(rollout.encode(batch), sign(key, rollout.signing_bytes(batch)))
 
 
 def reason_of(err: RolloutRejected) -> str:
@@ -73,15 +74,15 @@ def open_signed(body: bytes, signature: bytes, ex: Expect, sender: str
     a signature failure, whatever else it gets wrong.
     """
     try:
-        batch = RO.decode(body, ex.max_tokens)
+        batch = rollout.decode(body, ex.max_tokens)
     except RolloutRejected as e:
         return None, e
     if batch.sender != sender:
         return None, RolloutRejected("schema", f"batch names sender {batch.sender!r} but came from "
                                                f"{sender!r}")
-    if len(signature) != SIG_BYTES or not verify(sender, RO.signing_bytes(batch), signature):
+    if len(signature) != SIG_BYTES or not verify(sender, rollout.signing_bytes(batch), signature):
         return None, RolloutRejected("signature", f"signature does not verify under {sender}")
-    err = RO.check(batch, ex, sender)
+    err = rollout.check(batch, ex, sender)
     return (None, err) if err else (batch, None)
 
 
@@ -112,7 +113,7 @@ def shards(key: Ed25519PrivateKey, batch: RolloutBatch, cap: int) -> list[bytes]
     for g in batch.groups:
         trial = RolloutBatch(batch.run, batch.round, batch.sender, batch.tokenizer_hash,
                              batch.temperature, [*cur, g], batch.config_hash, batch.model_id)
-        if len(RO.encode(trial)) + len(SHARD_MAGIC) + SIG_BYTES <= cap:
+        if len(rollout.encode(trial)) + len(SHARD_MAGIC) + SIG_BYTES <= cap:
             cur.append(g)
             continue
         if not cur:
@@ -121,7 +122,7 @@ def shards(key: Ed25519PrivateKey, batch: RolloutBatch, cap: int) -> list[bytes]
         cur = [g]
         single = RolloutBatch(batch.run, batch.round, batch.sender, batch.tokenizer_hash,
                               batch.temperature, [g], batch.config_hash, batch.model_id)
-        if len(RO.encode(single)) + len(SHARD_MAGIC) + SIG_BYTES > cap:
+        if len(rollout.encode(single)) + len(SHARD_MAGIC) + SIG_BYTES > cap:
             raise ValueError(f"one prompt group is over the rollouts topic cap of {cap} bytes")
     flush()
     return out
@@ -225,7 +226,8 @@ class Inbox:
         until = self._banned_until.get(sender)
         return until is not None and round_ < until
 
-    def _refuse(self, sender: str, round_: int, reason: str, detail: str) -> None:
+    def refuse(self, sender: str, round_: int, reason: str, detail: str) -> None:
+        """Count one refused message from ``sender`` (a strike unless it is a ``quota`` refusal)."""
         self.rejected[reason] += 1
         self.on_reject(reason)
         log.info("refused rollouts from %s for round %d: %s (%s)", sender, round_, reason, detail,
@@ -250,16 +252,15 @@ class Inbox:
         if sender == self.self_id:
             return None
         if self.banned(sender, ex.round):
-            self._refuse(sender, ex.round, "quota", "sender is being ignored after repeated refusals")
+            self.refuse(sender, ex.round, "quota", "sender is being ignored after repeated refusals")
             return None
         if digest is not None:
-            import hashlib
             if hashlib.sha256(s.body).hexdigest() != digest:
-                self._refuse(sender, ex.round, "digest", "fetched body does not match the index digest")
+                self.refuse(sender, ex.round, "digest", "fetched body does not match the index digest")
                 return None
         batch, err = open_signed(s.body, s.signature, ex, sender)
         if err is not None:
-            self._refuse(sender, ex.round, reason_of(err), err.reason)
+            self.refuse(sender, ex.round, reason_of(err), err.reason)
             return None
         held = self.batches[ex.round].setdefault(sender, [])
         have = {g.prompt_id for b in held for g in b.groups}

@@ -29,21 +29,22 @@ import asyncio
 import hashlib
 import logging
 import time
+from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from models.config import ModelConfig
-from node import metrics as NM
 from node.compute import Compute
-from node.device import resolve_device
+from node.device import device_details, record_memory, resolve_device
 from node.logs import set_context
+from node.metrics import record_train_step
 from node.roles import NodeContext, RoleBase, register
-from rl import grpo_metrics as M
+from rl import grpo_metrics
 from rl.grpo_config import GRPOConfig
 from rl.grpo_exchange import INDEX, Fetcher, Inbox, RolloutIndexEntry, RolloutServicer, Signed, \
     add_rollout_service, decode_shard, shards, sign_batch
-from rl.learner import TOK, Learner
+from rl.learner import Learner
 from rl.rollout import Expect, RolloutRejected, decode
 from security.keys import load_key_file
 
@@ -62,6 +63,13 @@ def derived_seed(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"grpo-model:{peer_id}".encode()).digest()[:4], "little")
 
 
+def _log_publish_failure(task: asyncio.Task, r: int) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("publishing the round %d rollout index failed: %r; peers that missed the bus shards "
+                    "train without this batch", r, task.exception(),
+                    extra={"event": "grpo_publish_failed", "round": r})
+
+
 @register
 class GRPORole(RoleBase):
     name = "grpo"
@@ -69,21 +77,19 @@ class GRPORole(RoleBase):
     rendezvous = (INDEX,)
 
     def __init__(self, ctx: NodeContext, settings: RoleSettings):
-        self.ctx, self.s, self.cfg = ctx, settings, settings.grpo
+        self.ctx, self.settings, self.cfg = ctx, settings, settings.grpo
         self.run_id = ctx.config.run_id
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         ident = ctx.config.identity
         self.key = load_key_file(ident.path, allow_insecure_mode=ident.allow_insecure_mode)
-        seed = self.cfg.model_seed if self.cfg.model_seed is not None else derived_seed(ctx.peer_id)
-        torch.manual_seed(seed)
-        self.learner = Learner(self.cfg, settings.model, seed, self.run_id, ctx.peer_id)
-        self.cfg_hash = self.learner.config_hash
+        self.seed = self.cfg.model_seed if self.cfg.model_seed is not None else derived_seed(ctx.peer_id)
+        self.learner: Learner | None = None      # built on the compute thread, on the configured device
         self.compute = Compute(self.name)
         self.servicer = RolloutServicer(self.run_id)
         self.fetcher = Fetcher(ctx.config.grpc.max_message_bytes)
         self.inbox = Inbox(ctx.peer_id, self.cfg.max_rejections_per_sender, self.cfg.ban_rounds,
-                           on_reject=lambda reason: M.REJECTED.labels(reason=reason).inc())
+                           on_reject=lambda reason: grpo_metrics.REJECTED.labels(reason=reason).inc())
         self._stopping = False
         self._round_task: asyncio.Task | None = None
         self._publishing: asyncio.Task | None = None
@@ -118,55 +124,57 @@ class GRPORole(RoleBase):
 
     def expect(self, r: int) -> Expect:
         """What a batch for round r must satisfy (our round config and that round's prompts)."""
+        learner = self.learner
         pids = self._prompt_ids.get(r)
         if pids is None:
-            pids = frozenset(p.prompt_id for p in self.learner.task.prompts(self.run_id, r,
-                                                                            self.cfg.prompts_per_round))
+            pids = frozenset(p.prompt_id for p in learner.task.prompts(self.run_id, r, self.cfg.prompts_per_round))
             self._prompt_ids[r] = pids
             for old in [k for k in self._prompt_ids if k < r - 4]:
                 del self._prompt_ids[old]
         cfg = self.cfg
-        return Expect(run=self.run_id, round=r, tokenizer_hash=self.learner.tokenizer_hash,
-                      temperature=cfg.temperature, vocab_size=TOK.vocab_size,
+        return Expect(run=self.run_id, round=r, tokenizer_hash=learner.tokenizer_hash,
+                      temperature=cfg.temperature, vocab_size=learner.policy.vocab_size,
                       max_tokens=cfg.max_completion_tokens, prompt_ids=pids,
                       max_completions_per_group=max(cfg.completions_per_prompt, 64),
-                      config_hash=self.cfg_hash)
+                      config_hash=learner.config_hash)
 
     # ---------------- start-up ----------------
     async def start(self) -> None:
-        await self.ctx.set_role_ready(False, "role_init", "warming the policy up")
+        await self.ctx.set_role_ready(False, "role_init", "building and warming the policy up")
         self.ctx.supervisor.spawn("grpo_train", self._main, restart=False)
-        if self.bus is not None:
-            self.ctx.supervisor.spawn("grpo_bus", self._listen_bus, restart=True)
 
-    def _place(self) -> str:
-        dev = resolve_device(self.ctx.config.device)
-        if dev.type != "cpu":
-            self.learner.model.to(dev)
-            self.learner.device = dev
-            self.learner.gen = torch.Generator(device=dev).manual_seed(self.learner.seed)
-            self.learner.opt = torch.optim.Adam(self.learner.model.parameters(), lr=self.cfg.lr)
-        return str(dev)
-
-    def _warmup(self) -> tuple[int, float]:
-        steps, _ = self.learner.warmup()
-        return steps, self.learner.accuracy()
+    def _build(self) -> dict:
+        """Compute thread, after the DHT is up: resolve ``[device]``, build the policy there, warm
+        it up (or load the cached warm-up); returns the figures for the ready log line."""
+        dc = self.ctx.config.device
+        device = resolve_device(dc)
+        t0 = time.monotonic()
+        self.learner = Learner(self.cfg, self.settings.model, self.seed, self.run_id, self.ctx.peer_id,
+                               device=device, precision=dc.precision)
+        self.warmup_steps, acc = self.learner.warmup(Path(self.cfg.warmup_cache_dir).expanduser())
+        record_memory(device)
+        return {"device": str(device), "precision": dc.precision, "accuracy": acc,
+                "warmup_s": round(time.monotonic() - t0, 2), **device_details(device)}
 
     async def _main(self) -> None:
-        device = await self.compute.run(self._place)
-        t0 = time.monotonic()
-        self.warmup_steps, acc0 = await self.compute.run(self._warmup)
+        info = await self.compute.run(self._build)
+        learner = self.learner
+        acc0 = info["accuracy"]
         self.accuracy_start = self.accuracy_last = acc0
-        M.ACCURACY_INITIAL.set(acc0)
-        M.ACCURACY.set(acc0)
-        self.ctx.card.update(publish=True, cfg_hash=self.cfg_hash, model_id=self.learner.model_id,
-                             n_params=self.learner.n_params, mode=self.cfg.mode)
+        grpo_metrics.ACCURACY_INITIAL.set(acc0)
+        grpo_metrics.ACCURACY.set(acc0)
+        self.ctx.card.update(publish=True, cfg_hash=learner.config_hash, model_id=learner.model_id,
+                             n_params=learner.n_params, mode=self.cfg.mode)
+        if self.bus is not None:
+            self.ctx.supervisor.spawn("grpo_bus", self._listen_bus, restart=True)
         await self.ctx.set_role_ready(True, "ready", "")
-        log.info("grpo learner ready on %s: %d parameters, warm-up %d steps in %.1f s, held-out accuracy "
-                 "%.3f, mode %s, transport %s", device, self.learner.n_params, self.warmup_steps,
-                 time.monotonic() - t0, acc0, self.cfg.mode, "bus" if self.bus is not None else "dht",
-                 extra={"event": "grpo_ready", "n_params": self.learner.n_params, "accuracy": acc0,
-                        "warmup_steps": self.warmup_steps, "mode": self.cfg.mode})
+        log.info("grpo learner ready on %s (%s): %d parameters (%s policy), warm-up %d steps in %.1f s, held-out "
+                 "accuracy %.3f, mode %s, transport %s", info["device"], info["precision"], learner.n_params,
+                 learner.policy.kind, self.warmup_steps, info["warmup_s"], acc0, self.cfg.mode,
+                 "bus" if self.bus is not None else "dht",
+                 extra={"event": "grpo_ready", "n_params": learner.n_params, "accuracy": acc0,
+                        "warmup_steps": self.warmup_steps, "mode": self.cfg.mode, "model_id": learner.model_id,
+                        "config_hash": learner.config_hash, **info})
         next_round = self.now_round() + 1
         while not self._stopping:
             r = self.now_round()
@@ -176,7 +184,7 @@ class GRPORole(RoleBase):
             late = time.time() - self.round_start(r)
             if late > self.cfg.start_slack_frac * self.cfg.round_s:
                 self.skipped += 1
-                M.ROUNDS.labels(outcome="skipped").inc()
+                grpo_metrics.ROUNDS.labels(outcome="skipped").inc()
                 log.info("round %d: ready %.2f s after its start, skipping to the next", r, late,
                          extra={"event": "grpo_round_skipped", "round": r, "late_s": round(late, 3)})
                 next_round = r + 1
@@ -197,12 +205,13 @@ class GRPORole(RoleBase):
         self._stopping = True
         acc = await self.compute.run(self.learner.accuracy)
         self.accuracy_last = acc
-        M.ACCURACY.set(acc)
+        grpo_metrics.ACCURACY.set(acc)
         k = max(1, min(5, len(self.rewards) // 4))
         fields = {"rounds": self.trained, "skipped": self.skipped, "step": self.trained,
                   "accuracy_start": self.accuracy_start, "accuracy_end": acc,
                   "reward_start": sum(self.rewards[:k]) / k, "reward_end": sum(self.rewards[-k:]) / k,
-                  "warmup_steps": self.warmup_steps, "n_params": self.learner.n_params, "mode": self.cfg.mode}
+                  "warmup_steps": self.warmup_steps, "n_params": self.learner.n_params, "mode": self.cfg.mode,
+                  "model_id": self.learner.model_id}
         log.info("trained %d rounds: held-out accuracy %.3f -> %.3f, reward %.3f -> %.3f; draining",
                  self.trained, self.accuracy_start, acc, fields["reward_start"], fields["reward_end"],
                  extra={"event": "training_finished", **fields})
@@ -217,43 +226,48 @@ class GRPORole(RoleBase):
         signed = await asyncio.to_thread(sign_batch, self.key, batch)
         self.servicer.put(r, signed)
         n_tok = batch.n_tokens()
-        M.WIRE_BYTES.labels(direction="sent").inc(len(signed.body))
-        M.WIRE_TOKENS.labels(direction="sent").inc(n_tok)
-        M.BYTES_PER_TOKEN.set(len(signed.body) / max(n_tok, 1))
+        grpo_metrics.WIRE_BYTES.labels(direction="sent").inc(len(signed.body))
+        grpo_metrics.WIRE_TOKENS.labels(direction="sent").inc(n_tok)
+        bytes_per_token = len(signed.body) / max(n_tok, 1)
+        grpo_metrics.BYTES_PER_TOKEN.set(bytes_per_token)
         deadline = t_r + cfg.collect_frac * cfg.round_s
         # the publish is never cancelled by the deadline: a slow DHT store still lands for late readers
         self._publishing = asyncio.ensure_future(self._publish(r, signed, batch.n_tokens(), len(batch.groups)))
+        self._publishing.add_done_callback(lambda t, r=r: _log_publish_failure(t, r))
         await self._collect(r, deadline)
         foreign = self.inbox.take(r)
         senders = len(foreign)
-        M.PEERS_SEEN.set(senders)
-        M.PEERS_SEEN_HIST.observe(senders)
+        grpo_metrics.PEERS_SEEN.set(senders)
+        grpo_metrics.PEERS_SEEN_HIST.observe(senders)
         for b in foreign:
-            M.WIRE_TOKENS.labels(direction="received").inc(b.n_tokens())
+            grpo_metrics.WIRE_TOKENS.labels(direction="received").inc(b.n_tokens())
         if self._stopping:
             return
         st = await self.compute.run(self.learner.train, gen, foreign)
         self.trained += 1
         self.rewards.append(st.reward_local)
         if self.trained == 1:
-            M.REWARD_INITIAL.set(st.reward_local)
-        M.REWARD.set(st.reward_local)
-        M.ROUND.set(r)
-        M.ROUNDS.labels(outcome="ok" if st.n_foreign else "solo").inc()
-        M.ROLLOUTS.labels(source="local").inc(st.n_local)
-        M.ROLLOUTS.labels(source="peer").inc(st.n_foreign)
-        M.FILTERED_FRAC.set(st.filtered_frac)
-        M.FILTERED.inc(round(st.filtered_frac * (st.n_local + st.n_foreign)))
-        M.WEIGHT_MEAN.set(st.weight_mean)
-        M.TRUNCATED_RATIO.set(st.truncated_frac)
-        M.KL_GEN_LOCAL.set(st.kl_foreign)
-        NM.record_train_step(st.loss, st.tokens, gen.seconds + st.seconds)
+            grpo_metrics.REWARD_INITIAL.set(st.reward_local)
+        grpo_metrics.REWARD.set(st.reward_local)
+        grpo_metrics.ROUND.set(r)
+        grpo_metrics.ROUNDS.labels(outcome="ok" if st.n_foreign else "solo").inc()
+        grpo_metrics.ROLLOUTS.labels(source="local").inc(st.n_local)
+        grpo_metrics.ROLLOUTS.labels(source="peer").inc(st.n_foreign)
+        grpo_metrics.FILTERED_FRAC.set(st.filtered_frac)
+        grpo_metrics.FILTERED.inc(st.filtered)
+        grpo_metrics.WEIGHT_MEAN.set(st.weight_mean)
+        grpo_metrics.TRUNCATED_RATIO.set(st.truncated_frac)
+        grpo_metrics.KL_GEN_LOCAL.set(st.kl_foreign)
+        record_train_step(st.loss, st.tokens, gen.seconds + st.seconds)
         if cfg.eval_every and self.trained % cfg.eval_every == 0 and \
                 not (cfg.exit_after_rounds and self.trained >= cfg.exit_after_rounds):
             self.accuracy_last = await self.compute.run(self.learner.accuracy)
-            M.ACCURACY.set(self.accuracy_last)
+            grpo_metrics.ACCURACY.set(self.accuracy_last)
+            log.info("round %d: held-out accuracy %.3f after %d rounds", r, self.accuracy_last, self.trained,
+                     extra={"event": "grpo_eval", "round": r, "trained": self.trained,
+                            "accuracy": self.accuracy_last})
         dur = time.time() - t_r
-        M.ROUND_SECONDS.observe(dur)
+        grpo_metrics.ROUND_SECONDS.observe(dur)
         self.ctx.card.update(round=r)
         set_context(round=r)
         log.info("round %d: reward %.3f, %d own + %d foreign from %d peers (seen %d), filtered %.2f, "
@@ -265,7 +279,10 @@ class GRPORole(RoleBase):
                         "peers_used": st.senders, "filtered_frac": st.filtered_frac,
                         "weight_mean": st.weight_mean, "loss": st.loss, "duration_s": round(dur, 3),
                         "accuracy": self.accuracy_last, "indexed": self._last_collect[0],
-                        "fetched": self._last_collect[1], "bus": self._bus_up()})
+                        "fetched": self._last_collect[1], "bus": self._bus_up(),
+                        "bytes_per_token": round(bytes_per_token, 3), "sent_bytes": len(signed.body),
+                        "sent_tokens": n_tok, "filtered": st.filtered,
+                        "rejected": st.rejected})
 
     async def _publish(self, r: int, signed: Signed, n_tokens: int, n_groups: int) -> None:
         """Bus shards (when the bus is up), then the DHT index entry (always: the fallback)."""
@@ -319,7 +336,7 @@ class GRPORole(RoleBase):
                     if s is None:
                         continue
                     tried.add(pid)
-                    M.WIRE_BYTES.labels(direction="received").inc(len(s.body))
+                    grpo_metrics.WIRE_BYTES.labels(direction="received").inc(len(s.body))
                     self.inbox.offer(s, pid, ex, digest=e.digest)
             if bus_mode:
                 return
@@ -334,11 +351,11 @@ class GRPORole(RoleBase):
                 return
             now = self.now_round()
             try:
-                M.WIRE_BYTES.labels(direction="received").inc(len(d.data))
+                grpo_metrics.WIRE_BYTES.labels(direction="received").inc(len(d.data))
                 s = decode_shard(d.data)
                 rnd = decode(s.body, self.cfg.max_completion_tokens).round
             except RolloutRejected as e:
-                self.inbox._refuse(d.sender, now, "schema", e.reason)
+                self.inbox.refuse(d.sender, now, "schema", e.reason)
                 continue
             target = rnd if now - 1 <= rnd <= now + 1 else now   # other rounds are refused as stale
             self.inbox.offer(s, d.sender, self.expect(target))

@@ -1,7 +1,7 @@
 """One GRPO learner's round work, transport-free: generate, build the batch, mix, re-score, step.
 
-Owns what a `grpo` peer does with its model each round (grpo.md §3 steps 1, 2, 6, 7), so that the
-role (rl/grpo_role.py: timing, transport, signing, metrics) and the in-process benchmark
+Owns what a `grpo` peer does with its policy each round (grpo.md §3 steps 1, 2, 6, 7), so that the
+role (rl/grpo_role.py: timing, transport, signing, metrics) and the in-process benchmark variant
 (benchmarks/grpo_swarm.py) run the same code:
 
     L = Learner(cfg, ModelConfig(d_model=48, n_layers=1), seed=0, run="demo", sender=peer_id)
@@ -11,41 +11,41 @@ role (rl/grpo_role.py: timing, transport, signing, metrics) and the in-process b
     stats = L.train(gen, foreign_batches)       # local rewards, mixed groups, re-score, F-TIS step
     acc = L.accuracy()                          # held-out mean reward at the round temperature
 
+`train` is three steps with a seam between them: `mix` (G own + up to F foreign completions per
+prompt, rewards recomputed here from the token ids), `rescore` (the one teacher-forced forward
+under the local policy: it serves the gradient, F-TIS and, through ``filters``, content checks
+such as a logit check), then the loss and one optimizer step. A filter is a callable
+``(mixed, logp) -> bool [N]`` (True = keep); dropped rows leave the advantages and the loss.
+
 Foreign batches must already be validated (rl/rollout.check, signature): this module trusts
-their shape, never their content — rewards are recomputed here from the token ids. Every method
-touching the model runs on the caller's thread (the role calls them on its compute thread).
+their shape, never their content. Every method touching the model runs on the caller's thread
+(the role calls them on its compute thread).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from models import ByteTokenizer, ModelConfig, build_model
+from models import ModelConfig
 from models.generate import Samples, rescore, sample
+from models.policy import Policy, build_policy
+from node.device import autocast
 from rl.ftis import FTISParams, ftis_loss
-from rl.grpo_config import BYTE_TOKENIZER_HASH, GRPOConfig
+from rl.grpo_config import GRPOConfig
 from rl.rollout import Completion, PromptGroup, RolloutBatch
-from rl.tasks import STOP, ArithTask, Prompt
+from rl.tasks import STOP, Prompt, make_task
 
-TOK = ByteTokenizer()
-STOP_ID = TOK.encode(STOP)[0]
-EVAL_SAMPLES = 2           # samples per held-out prompt for the accuracy metric
-
-
-def make_task(cfg: GRPOConfig) -> ArithTask:
-    return ArithTask(min_operands=cfg.min_operands, max_operands=cfg.max_operands,
-                     max_operand=cfg.max_operand)
-
-
-def model_id(mcfg: ModelConfig, seed: int) -> str:
-    """Hash of the architecture and initial seed (carried in batches and cards)."""
-    import hashlib
-    return hashlib.sha256(f"{mcfg.model_dump_json()}|{seed}".encode()).hexdigest()[:16]
+EVAL_SEED = 12345          # sampling seed of the accuracy metric (same weights -> same figure)
 
 
 @dataclass
@@ -58,6 +58,25 @@ class Generation:
 
 
 @dataclass
+class Mixed:
+    """One round's training rows: own completions first, then the chosen foreign ones."""
+
+    prompts: list[Prompt]
+    tokens: Tensor                # [N, L] int64
+    gen_logp: Tensor              # [N, L] generator log-probs (own: ours; foreign: from the wire)
+    mask: Tensor                  # [N, L] real tokens
+    truncated: Tensor             # [N]
+    group: Tensor                 # [N] prompt index
+    foreign: Tensor               # [N] bool
+    rewards: list[float]          # [N], recomputed locally
+    senders: list[str] = field(default_factory=list)   # [N]: "" for own rows
+
+    @property
+    def n_local(self) -> int:
+        return int((~self.foreign).sum())
+
+
+@dataclass
 class TrainStats:
     round: int
     loss: float
@@ -66,7 +85,9 @@ class TrainStats:
     n_local: int
     n_foreign: int
     senders: int                  # peers whose completions entered a group
+    filtered: int                 # samples the F-TIS KL filter dropped
     filtered_frac: float
+    rejected: int                 # foreign rows a content filter dropped
     weight_mean: float
     truncated_frac: float
     kl_foreign: float
@@ -74,72 +95,95 @@ class TrainStats:
     seconds: float
 
 
+Filter = Callable[[Mixed, Tensor], Tensor]
+
+
 class Learner:
-    """A model, its optimizer and the round logic (see the module docstring)."""
+    """A policy, its optimizer and the round logic (see the module docstring)."""
 
     def __init__(self, cfg: GRPOConfig, mcfg: ModelConfig, seed: int, run: str, sender: str,
-                 device: torch.device | str = "cpu"):
-        if mcfg.hf_path is not None:
-            raise ValueError("the grpo role runs the embedded models/ decoder (byte tokenizer) only; "
-                             "unset model.hf_path")
-        if mcfg.vocab_size != TOK.vocab_size:
-            raise ValueError(f"model.vocab_size={mcfg.vocab_size}: the grpo role uses the byte "
-                             f"tokenizer, set model.vocab_size={TOK.vocab_size}")
+                 device: torch.device | str = "cpu", precision: str = "fp32",
+                 policy: Policy | None = None):
         self.cfg, self.mcfg, self.seed, self.run, self.sender = cfg, mcfg, seed, run, sender
-        self.device = torch.device(device)
+        self.device, self.precision = torch.device(device), precision
+        self.policy = policy if policy is not None else build_policy(mcfg, seed, STOP)
+        self.model = self.policy.model.to(self.device)
         self.task = make_task(cfg)
-        self.model = build_model(mcfg, seed).to(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.rng = random.Random(seed)
         self.heldout = (self.task.heldout(cfg.heldout_size, 0) if cfg.heldout == "problems"
                         else self.task.prompts("swarmnode/grpo-eval", 0, cfg.heldout_size))
-        self.model_id = model_id(mcfg, seed)
-        self.config_hash = cfg.config_hash()
-        self.tokenizer_hash = BYTE_TOKENIZER_HASH
-        self.n_params = sum(p.numel() for p in self.model.parameters())
-        need = max(len(TOK.encode(p.text)) for p in self.heldout) + cfg.max_completion_tokens
-        if need > mcfg.max_seq_len:
-            raise ValueError(f"model.max_seq_len={mcfg.max_seq_len} is shorter than a prompt plus "
-                             f"grpo.max_completion_tokens ({need}); raise model.max_seq_len")
+        self.model_id = self.policy.model_id
+        self.tokenizer_hash = self.policy.tokenizer_hash
+        self.config_hash = cfg.config_hash(self.policy.tokenizer_hash, self.policy.chat_template_hash)
+        self.n_params = self.policy.n_params
+        self.filters: list[Filter] = []
+        need = max(len(self.policy.encode(p.text)) for p in self.heldout) + cfg.max_completion_tokens
+        if need > self.policy.max_seq_len:
+            raise ValueError(f"the model's longest sequence ({self.policy.max_seq_len}, model.max_seq_len) is "
+                             f"shorter than a prompt plus grpo.max_completion_tokens ({need}); raise "
+                             "model.max_seq_len or lower grpo.max_completion_tokens")
+
+    def _sample(self, prompts: list[Prompt], G: int, generator: torch.Generator) -> Samples:
+        cfg = self.cfg
+        q = [self.policy.encode(p.text) for p in prompts]
+        self.model.eval()
+        with torch.no_grad(), autocast(self.device, self.precision):
+            s = sample(self.model, q, G, cfg.max_completion_tokens, cfg.temperature, top_k=cfg.top_k,
+                       top_p=cfg.top_p, stop_token=self.policy.stop_id, generator=generator)
+        return Samples(s.tokens.cpu(), s.logp.cpu(), s.mask.cpu(), s.truncated.cpu(), s.prompt_index.cpu())
+
+    def _rewards(self, prompts: list[Prompt], s: Samples) -> list[float]:
+        return [self.task.reward(prompts[int(s.prompt_index[i])], self.policy.decode(s.completion(i)))
+                for i in range(len(s.tokens))]
 
     # ---------------- evaluation and warm-up ----------------
-    @torch.no_grad()
-    def accuracy(self, prompts: list[Prompt] | None = None, samples: int = EVAL_SAMPLES) -> float:
-        """Held-out accuracy: mean local reward of `samples` completions per held-out prompt at
-        the round temperature (what GRPO optimises), with a fixed sampling seed so that two
-        evaluations of the same weights agree exactly."""
+    def accuracy(self, prompts: list[Prompt] | None = None) -> float:
+        """Held-out accuracy: mean local reward of ``eval_samples`` completions per held-out
+        prompt at the round temperature (what GRPO optimises), with a fixed sampling seed so that
+        two evaluations of the same weights agree exactly."""
         prompts = self.heldout if prompts is None else prompts
-        ids = [TOK.encode(p.text) for p in prompts]
-        gen = torch.Generator(device=self.device).manual_seed(12345)
-        self.model.eval()
-        s = sample(self.model, ids, samples, self.cfg.max_completion_tokens, self.cfg.temperature,
-                   top_k=self.cfg.top_k, top_p=self.cfg.top_p, stop_token=STOP_ID, generator=gen)
-        return sum(self.task.reward(prompts[int(s.prompt_index[i])], TOK.decode(s.completion(i)))
-                   for i in range(len(s.tokens))) / len(s.tokens)
+        gen = torch.Generator(device=self.device).manual_seed(EVAL_SEED)
+        s = self._sample(prompts, self.cfg.eval_samples, gen)
+        r = self._rewards(prompts, s)
+        return sum(r) / len(r)
 
-    def warmup(self) -> tuple[int, float]:
-        """Supervised steps on reference solutions until held-out accuracy >= warmup_target_acc
-        (checked every 10 steps) or warmup_max_steps; returns (steps, accuracy)."""
+    def warmup_key(self) -> str:
+        """Hash of everything the warm-up result depends on (its cache file name)."""
         cfg = self.cfg
-        acc = self.accuracy()
+        knobs = (cfg.warmup_target_acc, cfg.warmup_max_steps, cfg.warmup_lr, cfg.warmup_batch,
+                 cfg.heldout_size, cfg.eval_samples, cfg.temperature, cfg.top_k, cfg.top_p,
+                 cfg.max_completion_tokens, self.task.spec)
+        return hashlib.sha256(f"{self.model_id}|{self.seed}|{knobs}".encode()).hexdigest()[:16]
+
+    def warmup(self, cache_dir: str | Path | None = None) -> tuple[int, float]:
+        """Supervised steps on reference solutions until held-out accuracy >= warmup_target_acc
+        (checked every 10 steps) or warmup_max_steps; returns (steps, accuracy). With
+        ``cache_dir`` the warmed weights are reused across runs (keyed by :meth:`warmup_key`)."""
+        cfg = self.cfg
         if cfg.warmup_target_acc <= 0:
-            return 0, acc
+            return 0, self.accuracy()
+        path = Path(cache_dir) / f"grpo-warmup-{self.warmup_key()}.pt" if cache_dir else None
+        if path is not None and path.is_file():
+            saved = torch.load(path, map_location=self.device, weights_only=True)   # our own local file
+            self.model.load_state_dict(saved["model"])
+            return int(saved["steps"]), self.accuracy()
         opt = torch.optim.Adam(self.model.parameters(), lr=cfg.warmup_lr)
-        step = 0
-        self.model.train()
+        step, acc = 0, self.accuracy()
         while step < cfg.warmup_max_steps and acc < cfg.warmup_target_acc:
             prompts = self.task.prompts(f"warmup:{self.seed}", step, cfg.warmup_batch)
-            q = [TOK.encode(p.text) for p in prompts]
-            a = [TOK.encode(self.task.reference(p)) for p in prompts]
-            L = max(len(x) for x in a)
-            toks = torch.zeros(len(a), L, dtype=torch.long)
-            mask = torch.zeros(len(a), L, dtype=torch.bool)
+            q = [self.policy.encode(p.text) for p in prompts]
+            a = [self.policy.encode(self.task.reference(p)) for p in prompts]
+            toks = torch.zeros(len(a), max(len(x) for x in a), dtype=torch.long)
+            mask = torch.zeros_like(toks, dtype=torch.bool)
             for i, x in enumerate(a):
                 toks[i, :len(x)] = torch.tensor(x)
                 mask[i, :len(x)] = True
             toks, mask = toks.to(self.device), mask.to(self.device)
-            lp = rescore(self.model, q, toks, mask, torch.arange(len(a), device=self.device))
+            self.model.train()
+            with autocast(self.device, self.precision):
+                lp = rescore(self.model, q, toks, mask, torch.arange(len(a), device=self.device))
             loss = -(lp.sum() / mask.sum())
             opt.zero_grad()
             loss.backward()
@@ -147,24 +191,20 @@ class Learner:
             step += 1
             if step % 10 == 0:
                 acc = self.accuracy()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            torch.save({"model": self.model.state_dict(), "steps": torch.tensor(step)}, tmp)
+            tmp.replace(path)
         return step, acc
 
     # ---------------- generation ----------------
-    @torch.no_grad()
     def generate(self, round_: int) -> Generation:
         """This round's prompts (same on every peer) and G completions each (KV-cached loop)."""
         t0 = time.perf_counter()
-        cfg = self.cfg
-        prompts = self.task.prompts(self.run, round_, cfg.prompts_per_round)
-        q = [TOK.encode(p.text) for p in prompts]
-        self.model.eval()
-        s = sample(self.model, q, cfg.completions_per_prompt, cfg.max_completion_tokens,
-                   cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_token=STOP_ID,
-                   generator=self.gen)
-        s = Samples(s.tokens.cpu(), s.logp.cpu(), s.mask.cpu(), s.truncated.cpu(), s.prompt_index.cpu())
-        rewards = [self.task.reward(prompts[int(s.prompt_index[i])], TOK.decode(s.completion(i)))
-                   for i in range(len(s.tokens))]
-        return Generation(round_, prompts, s, rewards, time.perf_counter() - t0)
+        prompts = self.task.prompts(self.run, round_, self.cfg.prompts_per_round)
+        s = self._sample(prompts, self.cfg.completions_per_prompt, self.gen)
+        return Generation(round_, prompts, s, self._rewards(prompts, s), time.perf_counter() - t0)
 
     def batch(self, g: Generation) -> RolloutBatch:
         """The rollout batch to publish: token ids and generator log-probs, no text, no reward."""
@@ -179,13 +219,12 @@ class Learner:
                             groups, self.config_hash, self.model_id)
 
     # ---------------- the step ----------------
-    def _select_foreign(self, g: Generation, foreign: list[RolloutBatch]
-                        ) -> tuple[list[tuple[int, Completion]], int]:
-        """(prompt index, completion) for at most F foreign completions per prompt, at most
-        per_sender_per_prompt per sender, random slots; and how many senders contributed."""
+    def _select_foreign(self, g: Generation, foreign: list[RolloutBatch]) -> list[tuple[int, str, Completion]]:
+        """(prompt index, sender, completion): at most F foreign completions per prompt, at most
+        per_sender_per_prompt per sender, random slots."""
         cfg = self.cfg
         if cfg.mode == "solo" or cfg.foreign_per_prompt == 0:
-            return [], 0
+            return []
         index = {p.prompt_id: i for i, p in enumerate(g.prompts)}
         per_prompt: dict[int, list[tuple[str, Completion]]] = {}
         for b in foreign[:cfg.max_senders]:
@@ -196,57 +235,78 @@ class Learner:
                 comps = list(grp.completions)
                 self.rng.shuffle(comps)
                 per_prompt.setdefault(i, []).extend((b.sender, c) for c in comps[:cfg.per_sender_per_prompt])
-        out, senders = [], set()
+        out = []
         for i, items in sorted(per_prompt.items()):
             self.rng.shuffle(items)
-            for sender, c in items[:cfg.foreign_per_prompt]:
-                out.append((i, c))
-                senders.add(sender)
-        return out, len(senders)
+            out.extend((i, sender, c) for sender, c in items[:cfg.foreign_per_prompt])
+        return out
 
-    def train(self, g: Generation, foreign: list[RolloutBatch]) -> TrainStats:
-        """Local rewards over mixed groups (G own + up to F foreign per prompt), one re-scoring
-        forward under the local model at T, one F-TIS (or baseline) optimizer step."""
-        t0 = time.perf_counter()
-        cfg = self.cfg
+    def mix(self, g: Generation, foreign: list[RolloutBatch]) -> Mixed:
+        """Own completions plus the chosen foreign ones as padded rows, rewards recomputed here."""
         s = g.samples
-        chosen, n_senders = self._select_foreign(g, foreign)
-        n_local = len(s.tokens)
-        L = max([s.tokens.shape[1]] + [len(c.token_ids) for _, c in chosen])
+        chosen = self._select_foreign(g, foreign)
+        n_local, W = s.tokens.shape
+        L = max([W] + [len(c.token_ids) for _, _, c in chosen])
         N = n_local + len(chosen)
-        tokens = torch.zeros(N, L, dtype=torch.long)
-        gen_lp = torch.zeros(N, L, dtype=torch.float32)
-        mask = torch.zeros(N, L, dtype=torch.bool)
-        trunc = torch.zeros(N, dtype=torch.bool)
-        group = torch.zeros(N, dtype=torch.long)
-        foreign_flag = torch.zeros(N, dtype=torch.bool)
-        W = s.tokens.shape[1]
-        tokens[:n_local, :W], gen_lp[:n_local, :W], mask[:n_local, :W] = s.tokens, s.logp, s.mask
-        trunc[:n_local], group[:n_local] = s.truncated, s.prompt_index
-        rewards = list(g.rewards)
-        for j, (i, c) in enumerate(chosen):
+        m = Mixed(g.prompts, torch.zeros(N, L, dtype=torch.long), torch.zeros(N, L),
+                  torch.zeros(N, L, dtype=torch.bool), torch.zeros(N, dtype=torch.bool),
+                  torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.bool), list(g.rewards),
+                  [""] * n_local)
+        m.tokens[:n_local, :W], m.gen_logp[:n_local, :W], m.mask[:n_local, :W] = s.tokens, s.logp, s.mask
+        m.truncated[:n_local], m.group[:n_local] = s.truncated, s.prompt_index
+        for j, (i, sender, c) in enumerate(chosen):
             r, n = n_local + j, len(c.token_ids)
-            tokens[r, :n] = torch.from_numpy(c.token_ids.astype(np.int64))
-            gen_lp[r, :n] = torch.from_numpy(c.gen_logp.astype(np.float32))
-            mask[r, :n] = True
-            trunc[r], group[r], foreign_flag[r] = c.truncated, i, True
-            rewards.append(self.task.reward(g.prompts[i], TOK.decode(c.token_ids.tolist())))
-        train_mask = mask & ~trunc[:, None] if cfg.mask_truncated else mask
-        q = [TOK.encode(p.text) for p in g.prompts]
+            m.tokens[r, :n] = torch.from_numpy(c.token_ids.astype(np.int64))
+            m.gen_logp[r, :n] = torch.from_numpy(c.gen_logp.astype(np.float32))
+            m.mask[r, :n] = True
+            m.truncated[r], m.group[r], m.foreign[r] = c.truncated, i, True
+            m.rewards.append(self.task.reward(g.prompts[i], self.policy.decode(c.token_ids.tolist())))
+            m.senders.append(sender)
+        return m
+
+    def train_mask(self, m: Mixed) -> Tensor:
+        return m.mask & ~m.truncated[:, None] if self.cfg.mask_truncated else m.mask
+
+    def rescore(self, m: Mixed) -> Tensor:
+        """The one teacher-forced forward over every row at the round temperature (with grad)."""
+        q = [self.policy.encode(p.text) for p in m.prompts]
         dev = self.device
         self.model.train()
-        lp = rescore(self.model, q, tokens.to(dev), train_mask.to(dev), group.to(dev), cfg.temperature)
+        with autocast(dev, self.precision):
+            return rescore(self.model, q, m.tokens.to(dev), self.train_mask(m).to(dev), m.group.to(dev),
+                           self.cfg.temperature)
+
+    def train(self, g: Generation, foreign: list[RolloutBatch]) -> TrainStats:
+        """Mixed groups (G own + up to F foreign per prompt), one re-scoring forward, the content
+        filters, then ``steps_per_round`` F-TIS (or baseline) optimizer steps (mu: the first at
+        ratio 1, later ones clipped against the first pass's log-probs)."""
+        t0 = time.perf_counter()
+        cfg, dev = self.cfg, self.device
+        m = self.mix(g, foreign)
+        lp = self.rescore(m)
+        dropped = torch.zeros(len(m.rewards), dtype=torch.bool, device=dev)
+        for f in self.filters:
+            dropped |= ~f(m, lp.detach()).to(dev) & m.foreign.to(dev)
+        tmask = self.train_mask(m).to(dev)
         B = len(g.prompts)
-        slots = B * cfg.completions_per_prompt + (0 if cfg.mode == "solo" else B * cfg.foreign_per_prompt)
-        res = ftis_loss(lp, gen_lp.to(dev), train_mask.to(dev), torch.tensor(rewards, device=dev),
-                        group.to(dev), foreign_flag.to(dev), FTISParams(cfg.mode, cfg.C, cfg.delta),
-                        scale_rewards=cfg.scale_rewards, agg=cfg.loss_agg, n_slots=slots)
-        self.opt.zero_grad()
-        res.loss.loss.backward()
-        self.opt.step()
-        fr = rewards[n_local:]
-        st = res.stats
-        return TrainStats(g.round, float(res.loss.loss.detach()), sum(g.rewards) / max(n_local, 1),
-                          sum(fr) / len(fr) if fr else None, n_local, len(chosen), n_senders,
-                          st.filtered_frac, st.weight_mean, st.truncated_frac, st.kl_foreign_mean,
-                          int(train_mask.sum()), time.perf_counter() - t0)
+        slots = B * (cfg.completions_per_prompt + (0 if cfg.mode == "solo" else cfg.foreign_per_prompt))
+        rewards, group, foreign_flag = torch.tensor(m.rewards, device=dev), m.group.to(dev), m.foreign.to(dev)
+        gen_logp, old = m.gen_logp.to(dev), None
+        for step in range(cfg.steps_per_round):
+            if step:
+                lp = self.rescore(m)
+            res = ftis_loss(lp, gen_logp, tmask, rewards, group, foreign_flag, FTISParams(cfg.mode, cfg.C, cfg.delta),
+                            exclude=dropped, old_logp=old, scale_rewards=cfg.scale_rewards, agg=cfg.loss_agg,
+                            n_slots=slots, eps_lo=cfg.epsilon, eps_hi=cfg.epsilon_high)
+            if step == 0:
+                old, first = lp.detach(), res
+            self.opt.zero_grad()
+            res.loss.loss.backward()
+            self.opt.step()
+        n_local = m.n_local
+        fr = m.rewards[n_local:]
+        st = first.stats
+        return TrainStats(g.round, float(first.loss.loss.detach()), sum(g.rewards) / max(n_local, 1),
+                          sum(fr) / len(fr) if fr else None, n_local, len(fr), len(set(m.senders[n_local:])),
+                          st.filtered, st.filtered_frac, int(dropped.sum()), st.weight_mean, st.truncated_frac,
+                          st.kl_foreign_mean, int(tmask.sum()), time.perf_counter() - t0)

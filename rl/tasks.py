@@ -19,6 +19,9 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import version
+
+from rl.grpo_config import DEFAULT_RGYM_DATASETS, GRPOConfig
 
 STOP = "\n"
 
@@ -101,9 +104,6 @@ class ArithTask:
         return 1.0 if m is not None and int(m.group(1)) == int(prompt.answer) else 0.0
 
 
-DEFAULT_RGYM_TASKS = ("basic_arithmetic", "chain_sum", "base_conversion", "gcd", "lcm",
-                      "leg_counting", "decimal_arithmetic", "fraction_simplification",
-                      "propositional_logic")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
@@ -121,12 +121,12 @@ def _require_rgym():
 class RGymTask:
     """reasoning-gym datasets, rebuilt offline by every peer from (run, round)."""
 
-    names: tuple[str, ...] = DEFAULT_RGYM_TASKS
+    names: tuple[str, ...] = DEFAULT_RGYM_DATASETS
 
     @property
     def spec(self) -> str:
-        rg = _require_rgym()
-        return f"rgym-{getattr(rg, '__version__', '?')}:{','.join(self.names)}"
+        _require_rgym()
+        return f"rgym-{version('reasoning-gym')}:{','.join(self.names)}"
 
     def _entries(self, seed: int, n: int):
         rg = _require_rgym()
@@ -163,3 +163,11 @@ class RGymTask:
             return float(prompt.data["ds"].score_answer(m.group(1).strip(), prompt.data["entry"]))
         except Exception:        # a verifier must never crash on peer-generated text
             return 0.0
+
+
+def make_task(cfg: GRPOConfig) -> ArithTask | RGymTask:
+    """The task ``[grpo]`` names (``task``, its operand ranges or reasoning-gym datasets)."""
+    if cfg.task == "rgym":
+        return RGymTask(tuple(cfg.rgym_datasets))
+    return ArithTask(min_operands=cfg.min_operands, max_operands=cfg.max_operands,
+                     max_operand=cfg.max_operand)

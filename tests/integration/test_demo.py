@@ -19,9 +19,11 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-def test_demo_trains_and_prints_the_json_summary(tmp_path):
+def _run_demo(tmp_path, *args: str) -> tuple[int, str, list[int]]:
+    """Run ``swarmnode demo ARGS`` as its own process group; (exit code, output, node PIDs that
+    were still running afterwards, all killed by now)."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the demo keeps its node logs under TMPDIR
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "demo", "--nodes", "2", "--steps", "60", "--json"],
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "demo", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -36,7 +38,12 @@ def test_demo_trains_and_prints_the_json_summary(tmp_path):
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    return proc.returncode, out, left
+
+
+def test_demo_trains_and_prints_the_json_summary(tmp_path):
+    code, out, left = _run_demo(tmp_path, "--nodes", "2", "--steps", "60", "--json")
+    assert code == 0, out[-3000:]
     lines = out.strip().splitlines()
     assert any(line.startswith("[") and "step" in line for line in lines), "no progress lines on the terminal"
     summary = json.loads(lines[-1])
@@ -66,3 +73,19 @@ def _processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             found.append(int(entry))
     return found
+
+
+def test_grpo_demo_reports_reward_and_accuracy_per_peer(tmp_path):
+    """``swarmnode demo --role grpo``: 3 heterogeneous peers and a bootstrap; progress lines show
+    reward and held-out accuracy per peer; the JSON line holds the issue's keys."""
+    code, out, left = _run_demo(tmp_path, "--role", "grpo", "--steps", "8", "--json",
+                                "--set", f"grpo.warmup_cache_dir={tmp_path / 'warm'}")
+    assert code == 0, out[-3000:]
+    lines = out.strip().splitlines()
+    assert any("reward" in line and "accuracy" in line and "grpo-2:" in line for line in lines if line.startswith("["))
+    summary = json.loads(lines[-1])
+    assert {"accuracy_start", "accuracy_end", "reward_start", "reward_end", "rounds"} <= set(summary)
+    assert summary["nodes"] == 3 and summary["rounds"] == 8
+    assert all(0.0 <= summary[k] <= 1.0 for k in ("accuracy_start", "accuracy_end", "reward_start", "reward_end"))
+    assert summary["accuracy_start"] > 0      # the warm-up gives a non-zero start
+    assert not left, f"demo left node processes running: {left}"

@@ -63,3 +63,35 @@ def test_final_figures_come_from_the_demo_modules_event():
     assert row["state"] == "finished"
     assert {key: row[key] for key in mod.FINISHED_FIELDS} == {k: record[f] for k, f in mod.FINISHED_FIELDS.items()}
     assert demo.node_progress(_Node(record))["state"] == "exited"   # no demo module: no training figures
+
+
+class _Running(_Node):
+    """A live worker whose /metrics carry a role's own series."""
+
+    def __init__(self, metrics: dict):
+        super().__init__({})
+        self._metrics = metrics
+
+    def alive(self):
+        return True
+
+    def metrics(self):
+        return self._metrics
+
+
+def test_a_demo_module_adds_its_own_progress_figures(capsys):
+    mod = demo.demo_module("grpo")
+    assert mod is not None and getattr(mod, "DEMO_ORDER", 100) > 0      # noloco stays the default demo
+    metrics = {"swarmnode_train_steps_total": 7.0, "swarmnode_grpo_reward": 0.25,
+               "swarmnode_grpo_heldout_accuracy": 0.4, 'swarmnode_grpo_peers_seen': 2.0}
+    row = demo.node_progress(_Running(metrics), mod)
+    assert row["rounds"] == 7 and row["reward_end"] == 0.25 and row["accuracy_end"] == 0.4
+    assert row["accuracy_start"] is None                  # not exported yet: shown as "-"
+    demo.print_progress([row], 1.0, mod.PROGRESS_COLUMNS)
+    assert "w0: step 7 reward 0.250 accuracy 0.400 peers 2.000" in capsys.readouterr().out
+    demo.print_progress([row], 1.0)                       # the role-neutral default columns
+    assert "w0: step 7 loss - rounds 7" in capsys.readouterr().out
+    summary = {"nodes": 3, "rounds": 7, "accuracy_start": 0.2, "accuracy_end": 0.4, "reward_start": 0.1,
+               "reward_end": None}
+    assert mod.summary_text(summary) == ("3 peers, 7 rounds each: held-out accuracy 0.200 -> 0.400, "
+                                         "reward 0.100 -> - (mean over peers)")

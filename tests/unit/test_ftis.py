@@ -107,12 +107,3 @@ def test_mixed_group_advantages_use_foreign_rewards():
     a2 = ftis_loss(lp, gen, mask, r2, group, foreign).advantages
     assert float(a1[0]) > float(a2[0]) > 0
 
-
-def test_single_process_experiment_runs_end_to_end():
-    """rl/experiment.py composes tasks, sampling, re-scoring and ftis_loss (smoke test)."""
-    from rl.experiment import run
-    out = run(steps=2, B=2, G=2, warmup_steps=3, n_heldout=4, d_model=16, n_layers=1, max_new=8)
-    assert out["rounds"] == 2 and out["warmup_steps"] == 3
-    for k in ("accuracy_start", "accuracy_end", "reward_start", "reward_end"):
-        assert 0.0 <= out[k] <= 1.0
-    assert [s for s, _ in out["accuracy_curve"]] == [0, 2]

@@ -144,11 +144,16 @@ def test_servicer_keeps_last_rounds():
 
 
 def test_round_config_hash_covers_swarm_fields_only():
-    base = GRPOConfig()
-    assert GRPOConfig(mode="solo", lr=1, C=3, delta=1).config_hash() == base.config_hash()
+    """G12: another T, top-p, top-k (or B, cap, round length, task, tokenizer, chat template) is
+    another config_hash; learner knobs are not in it."""
+    base = GRPOConfig().config_hash("tok")
+    assert GRPOConfig(mode="solo", lr=1, C=3, delta=1, foreign_per_prompt=1).config_hash("tok") == base
     for change in (dict(temperature=1.0), dict(top_p=0.9), dict(top_k=5), dict(prompts_per_round=4),
-                   dict(max_completion_tokens=30), dict(round_s=9)):
-        assert GRPOConfig(**change).config_hash() != base.config_hash(), change
+                   dict(max_completion_tokens=30), dict(round_s=9), dict(max_operand=20),
+                   dict(task="rgym")):
+        assert GRPOConfig(**change).config_hash("tok") != base, change
+    assert GRPOConfig().config_hash("tok2") != base
+    assert GRPOConfig().config_hash("tok", "template") != base
     assert RO.WIRE_VERSION == 1  # = rl.grpo_config.WIRE_VERSION
 
 
@@ -192,3 +197,89 @@ def test_learner_batch_is_what_the_sampler_produced():
                                    for c in gr.completions]) for gr in batch.groups],
         batch.config_hash, batch.model_id))) == 8 * batch.n_tokens()
     assert RO.check(batch, Expect(RUN, 1, a.tokenizer_hash, 0.7, 256, 8, config_hash=a.config_hash)) is None
+
+
+def test_foreign_rewards_are_recomputed_from_the_tokens():
+    """G15: the receiver scores a foreign completion from its token ids alone; nothing the sender
+    could claim enters the reward."""
+    a, b, _ = _learners("ftis")
+    g = a.generate(2)
+    p = g.prompts[0]
+    right = a.policy.encode(a.task.reference(p))
+    wrong = a.policy.encode(a.task.reference(p).replace("=>", "=>1"))
+    foreign = [RolloutBatch(RUN, 2, sender, a.tokenizer_hash, 0.7, [PromptGroup(p.prompt_id, [
+        Completion(np.array(ids, np.int32), np.full(len(ids), -0.1, np.float32))])], a.config_hash, "m")
+        for sender, ids in (("b", right), ("c", wrong))]
+    m = a.mix(g, foreign)
+    got = dict(zip(m.senders[m.n_local:], m.rewards[m.n_local:]))
+    assert got == {"b": 1.0, "c": 0.0}
+    assert bool(m.foreign[m.n_local:].all()) and int(m.group[m.n_local]) == 0
+
+
+def test_content_filters_drop_foreign_rows_from_the_step():
+    """The seam for rollout filters: a filter sees the mixed rows and the one re-scoring pass;
+    rows it rejects leave the advantages and the loss (own rows are never dropped)."""
+    a, b, c = _learners("ftis")
+    ga, gb = a.generate(4), b.generate(4)
+    seen = {}
+
+    def reject_all(mixed, logp):
+        seen["shape"] = tuple(logp.shape)
+        return torch.zeros(len(mixed.rewards), dtype=torch.bool)
+
+    a.filters.append(reject_all)
+    st = a.train(ga, [RO.decode(RO.encode(b.batch(gb)))])
+    assert st.rejected == st.n_foreign == 4 and seen["shape"][0] == st.n_local + st.n_foreign
+    assert st.filtered == 0
+
+
+def test_warmup_is_cached_by_its_settings(tmp_path):
+    cfg = GRPOConfig(prompts_per_round=2, completions_per_prompt=2, max_completion_tokens=8, heldout_size=4,
+                     warmup_target_acc=1.0, warmup_max_steps=3, eval_samples=1)
+    mc = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+    first = Learner(cfg, mc, 0, RUN, "a")
+    assert first.warmup(tmp_path)[0] == 3
+    again = Learner(cfg, mc, 0, RUN, "a")
+    steps, acc = again.warmup(tmp_path)
+    assert steps == 3 and acc == first.accuracy()
+    assert all(torch.equal(x, y) for x, y in zip(first.model.state_dict().values(), again.model.state_dict().values()))
+    other = Learner(cfg, mc, 1, RUN, "a")             # another seed: another key, warmed afresh
+    assert other.warmup_key() != first.warmup_key()
+    assert len(list(tmp_path.glob("grpo-warmup-*.pt"))) == 1
+
+
+def test_learner_runs_under_the_configured_precision():
+    """device.precision = "bf16" (autocast; weights stay fp32): a round samples, re-scores and
+    steps; sampled and re-scored log-probs agree to bf16 accuracy."""
+    cfg = GRPOConfig(prompts_per_round=2, completions_per_prompt=2, max_completion_tokens=8, heldout_size=2,
+                     warmup_target_acc=0)
+    learner = Learner(cfg, ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32), 0, RUN, "a",
+                      device="cpu", precision="bf16")
+    g = learner.generate(1)
+    mixed = learner.mix(g, [])
+    with torch.no_grad():
+        lp = learner.rescore(mixed)
+    m = learner.train_mask(mixed)
+    assert torch.allclose(lp[m], mixed.gen_logp[m], atol=0.1)
+    st = learner.train(g, [])
+    assert np.isfinite(st.loss) and all(p.dtype == torch.float32 for p in learner.model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_learner_samples_and_trains_on_cuda(precision):
+    """The same round on the GPU: sampling (KV cache), re-scoring and the step stay on the device;
+    the published batch is host data; a CPU peer accepts it."""
+    cfg = GRPOConfig(prompts_per_round=4, completions_per_prompt=2, max_completion_tokens=8, heldout_size=4,
+                     warmup_target_acc=0)
+    mc = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+    gpu = Learner(cfg, mc, 0, RUN, "g", device="cuda", precision=precision)
+    cpu = Learner(cfg, mc, 1, RUN, "c")
+    assert next(gpu.model.parameters()).is_cuda
+    g = gpu.generate(2)
+    batch = RO.decode(RO.encode(gpu.batch(g)))
+    assert RO.check(batch, Expect(RUN, 2, cpu.tokenizer_hash, cfg.temperature, 256, 8,
+                                  config_hash=cpu.config_hash)) is None
+    st = gpu.train(g, [RO.decode(RO.encode(cpu.batch(cpu.generate(2))))])
+    assert np.isfinite(st.loss) and st.n_foreign > 0

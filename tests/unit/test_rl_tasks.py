@@ -79,3 +79,12 @@ def test_rgym_missing_package_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)          # import now fails
     with pytest.raises(ImportError, match=r"swarmnode\[rgym\]"):
         RGymTask().prompts("run", 0, 1)
+
+
+def test_make_task_follows_the_grpo_section():
+    from rl.grpo_config import GRPOConfig
+    from rl.tasks import make_task
+    arith = make_task(GRPOConfig(max_operand=5, max_operands=3))
+    assert isinstance(arith, ArithTask) and arith.max_operand == 5 and arith.max_operands == 3
+    rgym = make_task(GRPOConfig(task="rgym", rgym_datasets=["gcd", "lcm"]))
+    assert isinstance(rgym, RGymTask) and rgym.names == ("gcd", "lcm")
