@@ -1,7 +1,9 @@
 """The ``bootstrap`` role: the swarm's stable DHT entry point and its coordinator services.
 
 Ready as soon as it listens (it needs no peers). Serves ``Coordinator.ListNodes`` (the run's
-live node cards) and keeps ``swarmnode_swarm_nodes{role,state}`` current for dashboards.
+live node cards) and reads those cards every ``CENSUS_INTERVAL_S`` into the swarm view its ops
+HTTP serves at ``/metrics/swarm`` (nodes by role and state, joins and leaves, each node's card
+details: ``node/swarm_metrics.py``).
 Hosts what the other installed roles ask of it, found through their entry points and never
 named here: every role's ``bootstrap_services`` (e.g. the SkipPipe schedule service) joins its
 gRPC server, and every role's record namespaces join its DHT validator, so the bootstrap
@@ -17,11 +19,16 @@ from typing import Any
 import grpc
 
 from node.card import CardView, read_cards
-from node.metrics import RPC_REJECTED, SWARM_NODES
+from node.metrics import RPC_REJECTED
 from node.roles import NodeContext, RoleBase, Service, load_installed_roles, register
+from node.swarm_metrics import CENSUS
 from protocol import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("swarmnode.bootstrap")
+
+CENSUS_INTERVAL_S = 5.0
+"""Seconds between two reads of the run's cards for ``/metrics/swarm`` (a Prometheus scrape
+interval is about as long)."""
 
 
 def card_view_pb(view: CardView) -> coordinator_pb2.NodeCardView:
@@ -75,23 +82,15 @@ class BootstrapRole(RoleBase):
         await self.ctx.set_role_ready(True, "ready", "")
 
     async def _census(self) -> None:
-        seen: set[tuple[str, str]] = set()
         while True:
             try:
                 views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
-            except Exception as exc:  # noqa: BLE001 - census is best-effort; next tick retries
+            except Exception as exc:  # noqa: BLE001 - census is best-effort; the next tick retries
                 log.debug("census failed: %r", exc)
-                views = None
-            if views is not None:
-                counts: dict[tuple[str, str], int] = {}
-                for v in views:
-                    counts[(v.card.role, v.card.state)] = counts.get((v.card.role, v.card.state), 0) + 1
-                for key in seen - counts.keys():
-                    SWARM_NODES.labels(role=key[0], state=key[1]).set(0)
-                for (role, state), n in counts.items():
-                    SWARM_NODES.labels(role=role, state=state).set(n)
-                seen |= counts.keys()
-            await asyncio.sleep(5.0)
+                CENSUS.failed()
+            else:
+                CENSUS.update(views)
+            await asyncio.sleep(CENSUS_INTERVAL_S)
 
     async def drain(self, budget_s: float) -> None:
         return None

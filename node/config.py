@@ -21,9 +21,11 @@ Env: ``SWARMNODE_OPS__PORT=9500``, lists as JSON
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
+import socket
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, ClassVar
@@ -70,6 +72,17 @@ def closest(name: str, choices: list[str] | set[str]) -> str:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+@functools.cache
+def own_address() -> str:
+    """The IPv4 address this machine's hostname resolves to (in a container: its IP on the Docker
+    network), or 127.0.0.1 when it resolves to a loopback address or not at all."""
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+    return "127.0.0.1" if addr.startswith("127.") else addr
 
 
 def check_peer_maddr(value: str) -> str:
@@ -187,8 +200,9 @@ class DaemonConfig(BaseSettings):
     host; give ``--host 0.0.0.0`` (or the interface's IP) for a swarm across machines."""
 
     advertise_host: str | None = None
-    """IP peers should use for this node's gRPC address (node card). Defaults to ``host``, or
-    127.0.0.1 when ``host`` is 0.0.0.0."""
+    """IP peers should use for this node's gRPC address (node card). Defaults to ``host``; when
+    ``host`` is 0.0.0.0, to the address this machine's hostname resolves to (a container's IP on
+    its Docker network), or 127.0.0.1 when that is a loopback address. Behind NAT set the public IP."""
 
     state_dir: str = "~/.local/share/swarmnode/state"
     """Folder where the role keeps checkpoints (one node per folder). Put it on a volume to
@@ -253,7 +267,7 @@ class DaemonConfig(BaseSettings):
     def grpc_host(self) -> str:
         if self.advertise_host:
             return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return own_address() if self.host in ("0.0.0.0", "::") else self.host
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

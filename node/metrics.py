@@ -73,9 +73,6 @@ STATE_DOWNLOADS = Counter("swarmnode_state_downloads_total", "State downloads by
 CHECKPOINTS = Counter("swarmnode_checkpoints_total", "Checkpoints written or loaded, by outcome.", ["outcome"],
                       registry=REGISTRY)
 
-SWARM_NODES = Gauge("swarmnode_swarm_nodes", "Live node cards seen in the run (bootstrap view).",
-                    ["role", "state"], registry=REGISTRY)
-
 
 class DhtCollector(Collector):
     """Asks the hivemind DHT process at scrape time: peer count and records rejected by our
@@ -152,6 +149,15 @@ def record_train_step(loss: float, tokens: int, seconds: float) -> None:
 
 
 TENSOR_REASONS = frozenset({"nonfinite", "checksum", "shape", "dtype", "size", "truncated", "norm", "distance"})
+RPC_REASONS = ("auth", "stale", "size", "rate", "schema")
+"""The request rejection reasons of ops.md §5 (others, e.g. ``banned``, appear when first counted)."""
+
+# Every label value a dashboard or alert expects exists from the start (at 0): rate() and
+# increase() then see the first rejection, and panels show 0 instead of "no data".
+for _reason in sorted(TENSOR_REASONS):
+    TENSORS_REJECTED.labels(reason=_reason)
+for _reason in RPC_REASONS:
+    RPC_REJECTED.labels(reason=_reason)
 
 
 def count_rejection(reason: str) -> None:

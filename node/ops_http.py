@@ -1,4 +1,5 @@
-"""Ops HTTP on the metrics port: ``/metrics``, ``/healthz``, ``/readyz``, ``/peerinfo``.
+"""Ops HTTP on the metrics port: ``/metrics``, ``/healthz``, ``/readyz``, ``/peerinfo``, and on a
+bootstrap node ``/metrics/swarm`` (the whole run from its node cards, ``node/swarm_metrics.py``).
 
 Runs in a background thread (``ThreadingHTTPServer``) so a busy event loop or a training step
 never delays a probe, and a probe never waits on the loop: handlers read plain snapshots
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from node.lifecycle import Lifecycle, State
 from node.metrics import REGISTRY
+from node.swarm_metrics import CENSUS, SWARM_REGISTRY
 
 log = logging.getLogger("swarmnode.ops")
 
@@ -55,6 +57,12 @@ class OpsServer:
                 try:
                     if path == "/metrics":
                         self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+                    elif path == "/metrics/swarm":
+                        if CENSUS.active:
+                            self._send(200, generate_latest(SWARM_REGISTRY), CONTENT_TYPE_LATEST)
+                        else:
+                            self._send(404, json.dumps({"error": "this node serves no swarm view: scrape "
+                                                                 "/metrics/swarm on a bootstrap node"}).encode())
                     elif path == "/healthz":
                         ok, reason = outer._health()
                         self._send(200 if ok else 500, json.dumps({"ok": ok, "reason": reason}).encode())
@@ -68,8 +76,8 @@ class OpsServer:
                     elif path == "/peerinfo":
                         self._send(200, json.dumps(outer._peerinfo()).encode())
                     else:
-                        self._send(404, json.dumps({"error": f"no such endpoint {path}; try /metrics, /healthz, "
-                                                             "/readyz or /peerinfo"}).encode())
+                        self._send(404, json.dumps({"error": f"no such endpoint {path}; try /metrics, /metrics/swarm, "
+                                                             "/healthz, /readyz or /peerinfo"}).encode())
                 except BrokenPipeError:
                     pass
 

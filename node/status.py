@@ -1,9 +1,13 @@
 """``swarmnode status``: the run's live nodes as their signed node cards show them.
 
 Default mode joins the DHT as a short-lived client (no key file needed, nothing stored), reads
-``<run>/nodes`` and prints one line per node, or a JSON array with ``--json``. ``--local``
-asks this host's ops port instead and imports neither torch nor hivemind, which makes it a
-cheap container healthcheck (``--ready``: exit 0 only when READY).
+``<run>/nodes`` and prints one table per role, or a JSON array with ``--json``. Each role's table
+has that role's own card details as columns (a NoLoCo worker's round and blocked share, a stage's
+index and iteration, a GRPO peer's round, reward and rejections) and the event bus's
+reachability (``BUS_REACH``: peers that could dial the node / peers that tried). ``--watch``
+refreshes every 2 s under a one-line summary. ``--local`` asks this host's ops port instead and
+imports neither torch nor hivemind, which makes it a cheap container healthcheck (``--ready``:
+exit 0 only when READY).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from typing import Any
 
 
@@ -80,19 +85,55 @@ def bus_reach_hint(details: dict[str, Any]) -> str:
             "(eventbus.port) or set eventbus.announce_addrs to a public address")
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "no live nodes in this run (wrong --run-id? cards expire 30 s after a node stops)"
-    cols = ["peer_id", "role", "state", "round", "address", "age_s"]
-    extra = sorted({k for r in rows for k in r} - set(cols) - {"version", "uptime_s", "bus_hint", "banned_ids"})
-    cols += extra
-    table = [[str(r.get(c, "")) if c != "peer_id" else str(r[c])[:16] + "…" for c in cols] for r in rows]
+TABLE_HIDDEN_SUFFIXES = ("_hash", "_id", "_name", "_bytes")
+"""Card details left out of the table (identities, hashes, sizes; ``--json`` has every detail)."""
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _role_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One role's nodes: the common columns, then that role's own card details in the order its
+    nodes publish them (NoLoCo: round, blocked; stage: stage, iteration; grpo: round, reward,
+    rejected; the event bus adds bus_reach and gossip_addr), then address and card age."""
+    head = ["peer_id", "role", "state"]
+    tail = ["address", "age_s"]
+    own: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in own and k not in head and k not in tail and k not in ("version", "uptime_s", "bus_hint", "banned_ids") \
+                    and not k.endswith(TABLE_HIDDEN_SUFFIXES):
+                own.append(k)
+    cols = head + own + tail
+    table = [[str(r[c])[:16] + "…" if c == "peer_id" else _cell(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(t, widths)) for t in table]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths)).rstrip()]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(t, widths)).rstrip() for t in table]
     # under the table, not in it: a hint is a sentence
     lines += [f"{str(r['peer_id'])[:16]}…: {r['bus_hint']}" for r in rows if r.get("bus_hint")]
-    return "\n".join(lines)
+    return lines
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """One table per role (rows keep their order: bootstrap first), separated by a blank line."""
+    if not rows:
+        return "no live nodes in this run (wrong --run-id? cards expire 30 s after a node stops)"
+    roles = list(dict.fromkeys(r["role"] for r in rows))
+    blocks = ["\n".join(_role_table([r for r in rows if r["role"] == role])) for role in roles]
+    return "\n\n".join(blocks)
+
+
+def summary_line(rows: list[dict[str, Any]], now: float | None = None) -> str:
+    """``12:00:05  7 nodes: bootstrap 1 ready; noloco 2 ready, 1 joining`` (the ``--watch`` header)."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
+    parts = []
+    for role in dict.fromkeys(r["role"] for r in rows):
+        states = Counter(r["state"] for r in rows if r["role"] == role)
+        parts.append(f"{role} " + ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
+    return f"{stamp}  {len(rows)} nodes: " + "; ".join(parts) if rows else f"{stamp}  0 nodes"
 
 
 class SwarmReader:
@@ -159,6 +200,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             rows = card_rows(reader.read())
             if args.json:
                 print(json.dumps(rows), flush=True)
+            elif args.watch:
+                clear = "\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n"
+                print(f"{clear}{summary_line(rows)}\n\n{format_table(rows)}", flush=True)
             else:
                 print(format_table(rows), flush=True)
             if not args.watch:
@@ -167,5 +211,3 @@ def cmd_status(args: argparse.Namespace) -> int:
                 time.sleep(2.0)
             except KeyboardInterrupt:
                 return 0
-            if not args.json:
-                print(file=sys.stdout)

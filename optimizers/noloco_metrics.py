@@ -31,3 +31,8 @@ REPLICA_SPREAD = Gauge("swarmnode_replica_spread",
                        "RMS distance per parameter between this worker's theta and its group mean (pre-step).",
                        registry=REGISTRY)
 UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer update of phi.", registry=REGISTRY)
+
+# Every outcome exists from the start (at 0): rate() and increase() then see the first failed
+# round, and the dashboards and alerts (deploy/) show 0 instead of "no data".
+for _outcome in ("ok", "solo", "failed"):
+    OUTER_ROUNDS.labels(outcome=_outcome)

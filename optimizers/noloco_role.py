@@ -429,6 +429,7 @@ class NoLoCoRole(RoleBase):
             return float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(phi, before)))), spread
 
     async def _one_round(self) -> None:
+        t_round = time.monotonic()
         h = self.cfg.inner_steps
         if self.cfg.exit_after_steps:
             h = max(1, min(h, self.cfg.exit_after_steps - self.step))
@@ -480,7 +481,9 @@ class NoLoCoRole(RoleBase):
         if len(pairs) > 1:
             repeats = sum(a == b and a != () for a, b in zip(pairs, pairs[1:]))
             M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
-        self.ctx.card.update(round=self.round, publish=self._catch_up)
+        # blocked: share of this round's wall time spent waiting for the group (swarmnode status)
+        blocked = res.blocked_s / max(1e-6, time.monotonic() - t_round)
+        self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), publish=self._catch_up)
         set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,

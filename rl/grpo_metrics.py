@@ -52,3 +52,12 @@ PEERS_SEEN = Gauge("swarmnode_grpo_peers_seen", "Peers whose valid batch arrived
                    registry=REGISTRY)
 PEERS_SEEN_HIST = Histogram("swarmnode_grpo_peers_per_round", "Peers whose valid batch arrived, per round.",
                             buckets=(0, 1, 2, 3, 4, 8, 16, 32), registry=REGISTRY)
+
+# Every label value a dashboard or alert expects exists from the start (at 0): rate() and
+# increase() then see the first event, and the panels show 0 instead of "no data".
+for _source in ("local", "peer"):
+    ROLLOUTS.labels(source=_source)
+for _reason in ("logit_check", "judge", "schema", "stale", "quota", "digest"):
+    REJECTED.labels(reason=_reason)
+for _outcome in ("ok", "solo", "skipped"):
+    ROUNDS.labels(outcome=_outcome)

@@ -268,7 +268,7 @@ class GRPORole(RoleBase):
                             "accuracy": self.accuracy_last})
         dur = time.time() - t_r
         grpo_metrics.ROUND_SECONDS.observe(dur)
-        self.ctx.card.update(round=r)
+        self.ctx.card.update(round=r, reward=round(st.reward_local, 3), rejected=sum(self.inbox.rejected.values()))
         set_context(round=r)
         log.info("round %d: reward %.3f, %d own + %d foreign from %d peers (seen %d), filtered %.2f, "
                  "w %.3f, %.2f s", r, st.reward_local, st.n_local, st.n_foreign, st.senders, senders,

@@ -1,7 +1,7 @@
 """`swarmnode status` rendering of node cards (the DHT read itself is covered by integration tests)."""
 
 from node.card import CardView, NodeCard
-from node.status import card_rows, format_table
+from node.status import card_rows, format_table, summary_line
 
 
 def _view(pid, role, state, published, started, **details):
@@ -16,12 +16,32 @@ def test_rows_carry_required_keys_age_and_details():
                      "version": "0.1.0", "address": "127.0.0.1:5000", "age_s": 3.0, "uptime_s": 63.0, "round": 7}]
 
 
-def test_table_has_a_header_and_one_line_per_node():
+def test_one_table_per_role_with_that_roles_own_columns():
     views = [_view("12D3KooWBOOTBOOTBOOTBOOTBOOT", "bootstrap", "ready", 10.0, 1.0),
-             _view("12D3KooWWORKWORKWORKWORKWORK", "noloco", "draining", 10.0, 2.0, round=3)]
-    lines = format_table(card_rows(views, now=12.0)).splitlines()
-    assert lines[0].split()[:6] == ["PEER_ID", "ROLE", "STATE", "ROUND", "ADDRESS", "AGE_S"]
-    assert len(lines) == 3 and "draining" in lines[2] and " 3 " in f" {lines[2]} "
+             _view("12D3KooWWORKWORKWORKWORKWORK", "noloco", "draining", 10.0, 2.0, round=3, blocked=0.25,
+                   cfg_hash="ab" * 16, device_kind="cpu", device_memory_bytes=123),
+             _view("12D3KooWSTAGESTAGESTAGESTAGE", "stage", "ready", 11.0, 2.0, stage=2, iteration=40),
+             _view("12D3KooWGRPOGRPOGRPOGRPOGRPO", "grpo", "joining", 9.0, 2.0, round=5, reward=0.4375,
+                   rejected=2, model_id="m" * 20)]
+    blocks = [b.splitlines() for b in format_table(card_rows(views, now=12.0)).split("\n\n")]
+    assert [len(b) for b in blocks] == [2, 2, 2, 2]
+    heads = [b[0].split() for b in blocks]
+    assert heads[0] == ["PEER_ID", "ROLE", "STATE", "ADDRESS", "AGE_S"]
+    assert heads[1] == ["PEER_ID", "ROLE", "STATE", "ROUND", "BLOCKED", "DEVICE_KIND", "ADDRESS", "AGE_S"]
+    assert heads[2] == ["PEER_ID", "ROLE", "STATE", "STAGE", "ITERATION", "ADDRESS", "AGE_S"]
+    assert heads[3] == ["PEER_ID", "ROLE", "STATE", "ROUND", "REWARD", "REJECTED", "ADDRESS", "AGE_S"]
+    assert blocks[1][1].split()[1:6] == ["noloco", "draining", "3", "0.25", "cpu"]
+    assert blocks[2][1].split()[3:5] == ["2", "40"]
+    assert blocks[3][1].split()[3:6] == ["5", "0.438", "2"]          # floats to 3 significant digits
+    text = format_table(card_rows(views, now=12.0))
+    assert "abab" not in text and "mmmm" not in text and "123" not in text   # hashes, ids, sizes: --json only
+
+
+def test_summary_line_counts_states_per_role():
+    views = [_view("a", "bootstrap", "ready", 1.0, 1.0), _view("b", "noloco", "ready", 1.0, 1.0),
+             _view("c", "noloco", "ready", 1.0, 1.0), _view("d", "noloco", "joining", 1.0, 1.0)]
+    line = summary_line(card_rows(views, now=2.0), now=0.0)
+    assert line.split("  ", 1)[1] == "4 nodes: bootstrap 1 ready; noloco 1 joining, 2 ready"
 
 
 def test_empty_swarm_says_what_to_check():
