@@ -152,3 +152,63 @@ def test_sender_checks_meta():
         list(tensor_frames(0, "x", torch.ones(1), {"mb": 3}))
     with pytest.raises(TensorRejected):
         list(tensor_frames(0, "x", torch.ones(1), {"k": "v" * 300}))
+
+
+@pytest.mark.parametrize("name,meta,shape,dtype", [
+    ("x", {}, (5,), torch.float32), ("longer-name", {"mb": "12", "path": "3"}, (2, 3, 4), torch.bfloat16),
+    ("s", {"k": "v" * 200}, (), torch.int64), ("e", None, (0, 7), torch.float16)])
+def test_single_frame_payload_is_aligned_and_head_matches_protobuf(name, meta, shape, dtype):
+    t = torch.ones(shape, dtype=dtype)
+    (frame,) = list(tensor_frames(9, name, t, meta))
+    pb = stream_pb2.StreamFrame.FromString(frame)  # pad field included: still valid protobuf
+    want = stream_pb2.StreamTensorHead(name=name, dtype=pb.head.dtype, shape=list(shape),
+                                       total_bytes=t.numel() * t.element_size(), checksum_alg="xxh3_128",
+                                       meta=meta or {})
+    assert pb.head == want
+    f = parse(frame)
+    if t.numel():
+        assert f.data.obj is frame  # a view into the received bytes, starting aligned
+        assert np.frombuffer(f.data, np.uint8).ctypes.data % stream_wire.PAYLOAD_ALIGN == 0
+
+
+def test_single_frame_tensor_is_handed_out_over_the_frame_without_a_copy():
+    t = torch.arange(1000, dtype=torch.float32)
+    (frame,) = list(tensor_frames(0, "x", t, {"i": "0"}))
+    got = StreamAssembler(MiB).feed(parse(frame)).tensor
+    base = np.frombuffer(frame, np.uint8).ctypes.data
+    assert base <= got.data_ptr() < base + len(frame)  # a view into the frame
+    assert torch.equal(got, t)
+    got += 1  # the receiver owns it: writing works
+    assert torch.equal(got, t + 1)
+
+
+def test_misaligned_single_frame_payload_is_copied_not_misread():
+    t = torch.arange(64, dtype=torch.float64)
+    (frame,) = list(tensor_frames(0, "x", t))
+    shifted = memoryview(bytearray(len(frame) + 1))[1:]  # the same frame at an odd address
+    shifted[:] = frame
+    f = parse(shifted)
+    got = StreamAssembler(MiB).feed(f).tensor
+    assert torch.equal(got, t) and got.data_ptr() % stream_wire.PAYLOAD_ALIGN == 0
+
+
+def test_chunked_and_single_frame_paths_agree_and_bool_bytes_are_checked_on_both():
+    g = torch.Generator().manual_seed(1)
+    t = torch.rand(MiB // 2 + 3, generator=g)  # 2 MiB + 12 bytes: 3 frames at 1 MiB chunks, 1 at 4 MiB
+    assert len(list(tensor_frames(0, "x", t, None, MiB))) == 3
+    one, many = _roundtrip([("x", t, None)], chunk=4 * MiB), _roundtrip([("x", t, None)], chunk=MiB)
+    assert torch.equal(one[0].tensor, t) and torch.equal(many[0].tensor, t)
+    for n in (16, MiB + 16):  # one frame / two frames; the digest is right, only the bool check can catch it
+        raw = torch.ones(n, dtype=torch.uint8)
+        raw[-3] = 2
+        with pytest.raises(TensorRejected) as e:
+            _roundtrip([("b", raw.view(torch.bool), None)], chunk=MiB)
+        assert e.value.reason == "malformed"
+
+
+def test_varint_fast_paths_agree_with_the_loop():
+    from protocol.varint import encode_varint, read_varint
+    for n in (0, 1, 127, 128, 300, 2**31, 2**63 - 1):
+        enc = encode_varint(n)
+        assert read_varint(b"\xff" + enc, 1) == (n, 1 + len(enc))
+        assert stream_pb2.StreamFrame.FromString(b"\x08" + enc).seq == n
