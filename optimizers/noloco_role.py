@@ -58,6 +58,7 @@ from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.exchange_common import TensorBounds
 from optimizers.noloco import copy_into, make_outer
 from optimizers.roster import ROSTER
+from optimizers.waiting import FINISHING, someone_can_meet, wait_bound
 
 log = logging.getLogger("swarmnode.noloco")
 
@@ -170,6 +171,9 @@ class NoLoCoRole(RoleBase):
         self._good_m: list[torch.Tensor] | None = None  # host copy of m after the last good outer step
         self._good_norm: tuple[int, float] | None = None  # (id of the snapshot, ||phi|| in it)
         self._catch_up = self.cfg.catch_up and self.cfg.outer == "noloco"  # DiLoCo resyncs phi instead
+        self._step_s: float | None = None  # measured seconds per inner step (moving average): the wait bound
+        self._t_train0: float | None = None  # monotonic time training started (blocked fraction)
+        self._blocked_s = 0.0  # seconds blocked in outer exchanges since training started
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
     def _parts(self) -> dict:
@@ -248,6 +252,7 @@ class NoLoCoRole(RoleBase):
         M.OUTER_ROUND.set(self.round)
         self.ctx.card.update(round=self.round, outer=self.cfg.outer, cfg_hash=self.cfg_hash)
         await self.ctx.set_role_ready(True, "ready", "")
+        self._t_train0 = time.monotonic()
         log.info("training from round %d step %d (eval loss %.4f)", self.round, self.step, eval0,
                  extra={"event": "training_started", "round": self.round, "step": self.step, "eval_loss": eval0})
         while not self._stopping:
@@ -267,7 +272,8 @@ class NoLoCoRole(RoleBase):
                          extra={"event": "training_finished", "step": self.step, "round": self.round,
                                 "eval_loss_start": eval0, "eval_loss_end": final_eval,
                                 "train_loss_start": self._first_loss, "train_loss_end": self._last_loss,
-                                "rounds_ok": self._rounds_ok, "outer_steps": self._outer_steps})
+                                "rounds_ok": self._rounds_ok, "outer_steps": self._outer_steps,
+                                "blocked_s": round(self._blocked_s, 3), "train_s": round(self._train_s(), 3)})
                 self.ctx.request_drain("finished")
 
     # ---------------- joining / resuming ----------------
@@ -433,17 +439,22 @@ class NoLoCoRole(RoleBase):
         h = self.cfg.inner_steps
         if self.cfg.exit_after_steps:
             h = max(1, min(h, self.cfg.exit_after_steps - self.step))
+        step0 = self.step
         loss = await self.compute.run(self._inner_steps, h)
+        if self.step > step0:  # the worker's own pace: what the waiting policy scales with
+            per_step = (time.monotonic() - t_round) / (self.step - step0)
+            self._step_s = per_step if self._step_s is None else 0.5 * self._step_s + 0.5 * per_step
         if self._stopping:
             return
+        last = bool(self.cfg.exit_after_steps) and self.step >= self.cfg.exit_after_steps
         rnd = await self._catch_up_round() if self._catch_up else self.round
         tensors = await self.compute.run(self._outgoing)
-        timeout = self.cfg.round_timeout
+        timeout, bound = self.cfg.round_timeout, None
         if self.cfg.outer == "diloco":
             expected = await self._live_workers()
             res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
         else:
-            res = await self.exchange.pair_average(rnd, tensors, timeout)
+            res, bound = await self._pair_within_bound(rnd, tensors)
         outcome, reason = res.outcome, res.reason
         n = res.n if res.mean is not None and res.n > 1 else 1
         norm, spread = await self.compute.run(self._outer_step, res.mean, n, tensors)
@@ -470,6 +481,9 @@ class NoLoCoRole(RoleBase):
         self._rounds_ok += n > 1
         self._outer_steps += 1
         M.BLOCKED_SECONDS.observe(res.blocked_s)
+        self._blocked_s += res.blocked_s
+        M.TRAINING_SECONDS.set(self._train_s())
+        M.BLOCKED_FRACTION.set(self._blocked_s / max(1e-6, self._train_s()))
         M.SENT_BYTES.inc(res.sent_bytes)
         M.RECEIVED_BYTES.inc(res.received_bytes)
         TRANSFER_BYTES.labels(direction="sent", kind="outer").inc(res.sent_bytes)
@@ -483,19 +497,61 @@ class NoLoCoRole(RoleBase):
             M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
         # blocked: share of this round's wall time spent waiting for the group (swarmnode status)
         blocked = res.blocked_s / max(1e-6, time.monotonic() - t_round)
-        self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), publish=self._catch_up)
+        # finishing: this was the last round; no peer waits for it at a later label (waiting policy)
+        self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), **{FINISHING: last},
+                             publish=self._catch_up or last)
         set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,
                  extra={"event": "averaging_round_done", "round": self.round, "group_size": n, "outcome": outcome,
                         "reason": reason, "partners": list(res.partners), "train_loss": loss,
-                        "blocked_s": round(res.blocked_s, 3), "step": self.step})
+                        "blocked_s": round(res.blocked_s, 3), "step": self.step,
+                        "wait_bound_s": None if bound is None else round(bound, 3),
+                        "train_s": round(self._train_s(), 3)})
         if self.cfg.eval_every and self.round % self.cfg.eval_every == 0:
-            NM.EVAL_LOSS.set(await self.compute.run(evaluate, self.model, self.eval_set))
+            ev = await self.compute.run(evaluate, self.model, self.eval_set)
+            NM.EVAL_LOSS.set(ev)
+            log.info("round %d: eval loss %.4f", self.round, ev,
+                     extra={"event": "eval_done", "round": self.round, "step": self.step, "eval_loss": ev,
+                            "train_s": round(self._train_s(), 3)})
         if self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             await self.compute.run(self._save_checkpoint)
         if self.cfg.outer == "diloco" and n == 1 and outcome != "ok":
             await self._resync_phi()
+
+    # ---------------- waiting policy (issue 8) ----------------
+    def _train_s(self) -> float:
+        return 0.0 if self._t_train0 is None else time.monotonic() - self._t_train0
+
+    async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor]):
+        """NoLoCo's exchange under the waiting policy -> (result, bound). The transport gets
+        ``round_timeout`` as its hard cap; a watcher ends the *wait* (never an exchange already
+        matched) once the bound is spent or as soon as no live peer can still meet us at ``rnd``."""
+        bound = wait_bound(self._step_s, self.cfg)
+        M.WAIT_BOUND.set(bound)
+        exchange = asyncio.ensure_future(self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout))
+        watch = asyncio.ensure_future(self._watch_wait(rnd, bound))
+        try:
+            return await exchange, bound
+        finally:
+            watch.cancel()
+
+    async def _watch_wait(self, rnd: int, bound: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + bound
+        while True:
+            left = end - loop.time()
+            if left <= 0:
+                await self.exchange.stop_waiting(rnd, "wait_bound")
+                return
+            try:
+                views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id, timeout=min(2.0, left))
+            except Exception:  # noqa: BLE001 - no view this time: the bound still applies
+                views = None
+            if views is not None and not someone_can_meet(self._ready_peers(views), rnd):
+                if await self.exchange.stop_waiting(rnd, "nobody"):
+                    return
+            await asyncio.sleep(max(0.0, min(0.25, end - loop.time())))
 
     # ---------------- checks and rollback (security.md §7; issue 7) ----------------
     def _outer_result_problem(self, norm: float) -> str | None:
@@ -593,8 +649,9 @@ class NoLoCoRole(RoleBase):
             views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
         except Exception:  # noqa: BLE001 - unknown: assume just us and whoever shows up
             return 1
-        return max(1, len(peers(views, role=self.name, cfg_hash=self.cfg_hash, states=("ready", "joining"),
-                                unknown_cfg_ok=True)))
+        return max(1, len([v for v in peers(views, role=self.name, cfg_hash=self.cfg_hash,
+                                            states=("ready", "joining"), unknown_cfg_ok=True)
+                           if v.card.details.get(FINISHING) is not True]))
 
     def _ready_peers(self, views: list) -> list:
         """The other READY workers of our config: the peers this worker may take state from or
