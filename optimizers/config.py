@@ -112,6 +112,13 @@ class NoLoCoConfig(BaseModel):
     a partner already waiting. Raise it on slow DHT/links if rounds go solo with
     reason="wait_bound" while partners are alive and waiting."""
 
+    compute_while_waiting: bool = True
+    """When no partner can meet this worker within its wait bound but a peer's card says it
+    reaches its exchange within 1.5 inner phases, keep training (extra inner steps in this
+    round) until then and pair at the frontier label, instead of a solo step. Keeps equal-speed
+    workers from locking into fixed pairs with the odd one always alone. Turn it off for
+    strictly H inner steps per outer step (e.g. to compare with the paper's schedule)."""
+
     jitter_s: float = Field(2.5, ge=0)
     """Uniform random delay (0..jitter_s) added to each matchmaking start so that arrival order,
     and with it the pairs, changes between rounds. About matchmaking_time / 2. Raise it if the

@@ -39,6 +39,9 @@ BLOCKED_FRACTION = Gauge("swarmnode_outer_blocked_fraction",
 WAIT_BOUND = Gauge("swarmnode_outer_wait_bound_seconds",
                    "The waiting policy's current bound on waiting for a partner (noloco.wait_fraction).",
                    registry=REGISTRY)
+EXTRA_STEPS = Counter("swarmnode_outer_wait_compute_steps_total",
+                      "Inner steps added to rounds instead of waiting alone (noloco.compute_while_waiting).",
+                      registry=REGISTRY)
 UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer update of phi.", registry=REGISTRY)
 
 # Every outcome exists from the start (at 0): rate() and increase() then see the first failed

@@ -54,11 +54,11 @@ from node.state_sync import StateFetchError, StateServicer, StateSnapshot, add_s
     meta_int, order_donors
 from optimizers import noloco_metrics as M
 from optimizers.config import NoLoCoConfig
-from optimizers.exchange import OuterExchange, add_exchange_to_server
+from optimizers.exchange import ExchangeResult, OuterExchange, add_exchange_to_server
 from optimizers.exchange_common import TensorBounds
 from optimizers.noloco import copy_into, make_outer
 from optimizers.roster import ROSTER
-from optimizers.waiting import FINISHING, someone_can_meet, wait_bound
+from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, someone_can_meet, steps_to_wait, wait_bound
 
 log = logging.getLogger("swarmnode.noloco")
 
@@ -174,6 +174,7 @@ class NoLoCoRole(RoleBase):
         self._step_s: float | None = None  # measured seconds per inner step (moving average): the wait bound
         self._t_train0: float | None = None  # monotonic time training started (blocked fraction)
         self._blocked_s = 0.0  # seconds blocked in outer exchanges since training started
+        self._eval_s = 0.0  # duration of the last evaluation (predicts when we next exchange)
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
     def _parts(self) -> dict:
@@ -446,15 +447,33 @@ class NoLoCoRole(RoleBase):
             self._step_s = per_step if self._step_s is None else 0.5 * self._step_s + 0.5 * per_step
         if self._stopping:
             return
+        t_outer = time.perf_counter()  # from here the worker computes nothing: blocked time
+        views = await self._read_views() if self.cfg.outer == "noloco" else None
+        rnd = self._catch_up_round(views) if self._catch_up else self.round
+        extra = self._steps_until_partner(views, rnd)
+        if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
+            log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd, extra,
+                     extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
+            M.EXTRA_STEPS.inc(extra)
+            loss = await self.compute.run(self._inner_steps, extra)
+            if self._stopping:
+                return
+            t_outer = time.perf_counter()
+            views = await self._read_views()
+            rnd = self._catch_up_round(views) if self._catch_up else self.round
         last = bool(self.cfg.exit_after_steps) and self.step >= self.cfg.exit_after_steps
-        rnd = await self._catch_up_round() if self._catch_up else self.round
         tensors = await self.compute.run(self._outgoing)
         timeout, bound = self.cfg.round_timeout, None
         if self.cfg.outer == "diloco":
             expected = await self._live_workers()
             res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
         else:
-            res, bound = await self._pair_within_bound(rnd, tensors)
+            bound = wait_bound(self._step_s, self.cfg)
+            if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=time.time() + bound):
+                res = ExchangeResult(None, 1, [], "solo", "nobody")  # no exchange at all: nobody will come
+            else:
+                res = await self._pair_within_bound(rnd, tensors, bound)
+        res.blocked_s = time.perf_counter() - t_outer
         outcome, reason = res.outcome, res.reason
         n = res.n if res.mean is not None and res.n > 1 else 1
         norm, spread = await self.compute.run(self._outer_step, res.mean, n, tensors)
@@ -498,8 +517,10 @@ class NoLoCoRole(RoleBase):
         # blocked: share of this round's wall time spent waiting for the group (swarmnode status)
         blocked = res.blocked_s / max(1e-6, time.monotonic() - t_round)
         # finishing: this was the last round; no peer waits for it at a later label (waiting policy)
+        eval_due = bool(self.cfg.eval_every) and self.round % self.cfg.eval_every == 0
+        next_at = time.time() + (self._step_s or 0.0) * self.cfg.inner_steps + (self._eval_s if eval_due else 0.0)
         self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), **{FINISHING: last},
-                             publish=self._catch_up or last)
+                             **{NEXT_EXCHANGE_AT: round(next_at, 3)}, publish=self._catch_up or last)
         set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,
@@ -507,9 +528,12 @@ class NoLoCoRole(RoleBase):
                         "reason": reason, "partners": list(res.partners), "train_loss": loss,
                         "blocked_s": round(res.blocked_s, 3), "step": self.step,
                         "wait_bound_s": None if bound is None else round(bound, 3),
+                        "exchange_s": round(res.exchange_s, 3),
                         "train_s": round(self._train_s(), 3)})
-        if self.cfg.eval_every and self.round % self.cfg.eval_every == 0:
+        if eval_due:
+            t_eval = time.monotonic()
             ev = await self.compute.run(evaluate, self.model, self.eval_set)
+            self._eval_s = time.monotonic() - t_eval
             NM.EVAL_LOSS.set(ev)
             log.info("round %d: eval loss %.4f", self.round, ev,
                      extra={"event": "eval_done", "round": self.round, "step": self.step, "eval_loss": ev,
@@ -523,35 +547,45 @@ class NoLoCoRole(RoleBase):
     def _train_s(self) -> float:
         return 0.0 if self._t_train0 is None else time.monotonic() - self._t_train0
 
-    async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor]):
-        """NoLoCo's exchange under the waiting policy -> (result, bound). The transport gets
-        ``round_timeout`` as its hard cap; a watcher ends the *wait* (never an exchange already
-        matched) once the bound is spent or as soon as no live peer can still meet us at ``rnd``."""
-        bound = wait_bound(self._step_s, self.cfg)
+    def _steps_until_partner(self, views: list | None, rnd: int) -> int:
+        """Inner steps to add to this round instead of a solo step (``compute_while_waiting``)."""
+        if views is None or self.cfg.outer != "noloco" or not self.cfg.compute_while_waiting:
+            return 0
+        room = self.cfg.inner_steps + self.cfg.inner_steps // 2  # at most half a phase more than one
+        if self.cfg.exit_after_steps:
+            room = min(room, self.cfg.exit_after_steps - self.step)
+        return steps_to_wait(self._ready_peers(views), rnd, time.time(), wait_bound(self._step_s, self.cfg),
+                             self._step_s, room)
+
+    async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor], bound: float) -> ExchangeResult:
+        """NoLoCo's exchange under the waiting policy. The transport gets ``round_timeout`` as
+        its hard cap; the *wait* (never an exchange already matched) ends when ``bound`` is spent
+        or as soon as no live peer can still meet us at ``rnd`` within it (node cards, polled)."""
         M.WAIT_BOUND.set(bound)
-        exchange = asyncio.ensure_future(self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout))
-        watch = asyncio.ensure_future(self._watch_wait(rnd, bound))
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(bound, lambda: asyncio.ensure_future(self.exchange.stop_waiting(rnd, "wait_bound")))
+        watch = asyncio.ensure_future(self._watch_wait(rnd, time.time() + bound))
         try:
-            return await exchange, bound
+            return await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout)
         finally:
+            timer.cancel()
             watch.cancel()
 
-    async def _watch_wait(self, rnd: int, bound: float) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + bound
-        while True:
-            left = end - loop.time()
-            if left <= 0:
-                await self.exchange.stop_waiting(rnd, "wait_bound")
+    async def _watch_wait(self, rnd: int, end_wall: float) -> None:
+        while time.time() < end_wall:
+            await asyncio.sleep(0.25)
+            views = await self._read_views(timeout=max(0.1, min(2.0, end_wall - time.time())))
+            if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=end_wall):
+                await self.exchange.stop_waiting(rnd, "nobody")
                 return
-            try:
-                views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id, timeout=min(2.0, left))
-            except Exception:  # noqa: BLE001 - no view this time: the bound still applies
-                views = None
-            if views is not None and not someone_can_meet(self._ready_peers(views), rnd):
-                if await self.exchange.stop_waiting(rnd, "nobody"):
-                    return
-            await asyncio.sleep(max(0.0, min(0.25, end - loop.time())))
+
+    async def _read_views(self, timeout: float | None = None) -> list | None:
+        """The run's node cards, or None when the DHT gives no answer in time."""
+        try:
+            return await read_cards(self.ctx.membership.dht, self.ctx.config.run_id,
+                                    timeout=timeout or min(2.0, self.cfg.round_timeout / 4))
+        except Exception:  # noqa: BLE001 - no view of the swarm this time: callers keep their defaults
+            return None
 
     # ---------------- checks and rollback (security.md §7; issue 7) ----------------
     def _outer_result_problem(self, norm: float) -> str | None:
@@ -627,13 +661,10 @@ class NoLoCoRole(RoleBase):
         log.info("outer steps are good again: ready", extra={"event": "recovered", "round": self.round})
         await self.ctx.set_role_ready(True, "ready", "")
 
-    async def _catch_up_round(self) -> int:
+    def _catch_up_round(self, views: list | None) -> int:
         """The round label for this exchange: ours, or the most advanced live peer's if higher
         (see ``WorkerConfig.catch_up``). ``self.round`` moves only when the round completes."""
-        try:
-            views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id,
-                                     timeout=min(2.0, self.cfg.round_timeout / 4))
-        except Exception:  # noqa: BLE001 - no view of the swarm this round: keep our label
+        if views is None:  # no view of the swarm this round: keep our label
             return self.round
         # range check: a card more than max_round_jump past the peers' median is ignored, never adopted
         target = frontier_card_int(self._ready_peers(views), "round", self.cfg.max_round_jump, own=self.round)

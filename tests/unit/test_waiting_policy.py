@@ -6,7 +6,7 @@ import pytest
 
 from node.card import CardView, NodeCard
 from optimizers.config import NoLoCoConfig
-from optimizers.waiting import FINISHING, someone_can_meet, wait_bound
+from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, someone_can_meet, steps_to_wait, wait_bound
 
 
 def view(peer, **details):
@@ -48,3 +48,29 @@ def test_someone_left_when_a_peer_is_at_or_behind_the_label():
     assert someone_can_meet([view("a")], 5)                           # no round yet: about to start
     assert someone_can_meet([view("a", round=4, **{FINISHING: False})], 5)
     assert someone_can_meet([view("a", round=True)], 5)               # junk round reads as unknown
+
+
+def test_a_peer_expected_after_the_wait_cannot_meet_us():
+    now = 1000.0
+    late = view("a", round=5, **{NEXT_EXCHANGE_AT: now + 3.0})
+    soon = view("b", round=5, **{NEXT_EXCHANGE_AT: now + 0.3})
+    waiting = view("c", round=5, **{NEXT_EXCHANGE_AT: now - 2.0})    # already waiting at the exchange
+    assert not someone_can_meet([late], 5, by=now + 1.0)
+    assert someone_can_meet([late, soon], 5, by=now + 1.0)
+    assert someone_can_meet([waiting], 5, by=now + 1.0)
+    assert someone_can_meet([late], 5)                                 # no deadline: only the label counts
+    assert someone_can_meet([view("d", round=5, **{NEXT_EXCHANGE_AT: float("nan")})], 5, by=now)  # junk: unknown
+    assert not someone_can_meet([view("e", round=7, **{NEXT_EXCHANGE_AT: now})], 5, by=now + 1.0)  # past the label
+
+
+def test_compute_while_waiting_runs_until_the_next_peer_is_due():
+    now, step = 1000.0, 0.1
+    due_in_1s = view("a", round=5, **{NEXT_EXCHANGE_AT: now + 1.0})
+    assert steps_to_wait([due_in_1s], 5, now, bound=0.5, step_s=step, max_steps=20) == 10
+    assert steps_to_wait([due_in_1s], 5, now, bound=1.5, step_s=step, max_steps=20) == 0   # within the bound: wait
+    assert steps_to_wait([due_in_1s], 5, now, bound=0.5, step_s=step, max_steps=5) == 0    # too far: solo now
+    assert steps_to_wait([], 5, now, bound=0.5, step_s=step, max_steps=20) == 0            # nobody at all
+    assert steps_to_wait([due_in_1s], 5, now, bound=0.5, step_s=None, max_steps=20) == 0   # pace unknown
+    finishing = view("b", round=5, **{NEXT_EXCHANGE_AT: now + 1.0, FINISHING: True})
+    assert steps_to_wait([finishing], 5, now, bound=0.5, step_s=step, max_steps=20) == 0
+    assert steps_to_wait([view("c", round=5, **{NEXT_EXCHANGE_AT: now + 0.01})], 5, now, 0.0, step, 20) == 1
