@@ -12,7 +12,8 @@ Measured per worker, from its own log records: wall-clock training seconds, seco
 the outer step, rounds ok / solo, and validation loss against wall-clock (evaluation every
 round). Nothing here is modelled except the ``model`` block: the discrete-event scheduler of
 ``benchmarks/noloco_swarm_sim.py`` fed with the measured per-worker inner-phase durations, the
-measured exchange time and the waiting policy's bounds; its predicted blocked fraction is
+measured fixed cost of a round (p25 of blocked seconds: DHT reads and writes, handshake,
+transfer) and the waiting policy's bounds; its predicted blocked fraction is
 compared with the measured one at W = 4 and 8 (the simulator remains the tool for 16+ workers).
 
 Summary (exact names the issue lists):
@@ -55,8 +56,8 @@ from node.localswarm import LocalSwarm, NodeProc  # noqa: E402
 from optimizers.config import NoLoCoConfig  # noqa: E402
 from optimizers.waiting import wait_bound  # noqa: E402
 
-QUICK = dict(W=(4, 8), steps=60, H=10, base_delay_s=0.1)
-FULL = dict(W=(4, 8), steps=200, H=20, base_delay_s=0.15)
+QUICK = dict(W=(4, 8), steps=60, H=10, base_delay_s=0.2)   # inner phases of 2-4 s
+FULL = dict(W=(4, 8), steps=200, H=20, base_delay_s=0.2)
 COMMON = [
     "noloco.eval_every=1", "noloco.eval_batches=2", "noloco.checkpoint_every=0", "noloco.torch_threads=1",
     "noloco.inner.lr=0.003", "noloco.inner.warmup=10", "noloco.round_timeout=10",
@@ -182,14 +183,15 @@ def modelled_blocked_fraction(run: dict, cfg: NoLoCoConfig) -> float:
     per = run["workers"]
     R = min(len(p["inner_phase_s"]) for p in per)
     dur = [p["inner_phase_s"][:R] for p in per]
+    # the fixed cost of a round even when the partner is already there (card/roster reads and
+    # writes through the DHT, handshake, transfer): what the last arrival of a round still waits
+    rounds = list(zip(*[p["round_blocked_s"][:R] for p in per]))[1:] or [tuple(p["round_blocked_s"][0] for p in per)]
     if run["method"] == "diloco":
-        # the all-reduce: what the last arrival of each round still waits (its blocked time)
-        rounds = list(zip(*[p["round_blocked_s"][:R] for p in per]))
-        sched = schedule_diloco(dur, statistics.median(min(r) for r in rounds[1:] or rounds))
+        sched = schedule_diloco(dur, statistics.median(min(r) for r in rounds))
     else:
-        pair_s = _median([p["exchange_s_median"] for p in per if p["exchange_s_median"]]) or 0.1
+        fixed = statistics.quantiles([x for r in rounds for x in r], n=4)[0]  # p25 over rounds and workers
         waits = [wait_bound(statistics.fmean(d) / cfg.inner_steps, cfg) for d in dur]
-        sched = schedule_noloco(dur, lambda a, b: pair_s, waits, max_round_skew=10 ** 6)  # catch_up: any label
+        sched = schedule_noloco(dur, lambda a, b: fixed, waits, max_round_skew=10 ** 6)  # catch_up: any label
     recs = [r for r in sched.records if r.round > 1]
     ends = {w: max(r.finish for r in sched.of(w)) for w in range(len(dur))}
     starts = {w: min(r.finish for r in sched.of(w)) for w in range(len(dur))}

@@ -101,8 +101,9 @@ class NoLoCoConfig(BaseModel):
     fraction of its own measured inner phase (seconds per inner step, averaged, times
     inner_steps), floored at ``min_wait_s`` and capped by ``round_timeout``. It also stops
     waiting at once when no live READY peer can still meet it at this round (all past it,
-    draining or finishing). 0.25 kept the demo's blocked share near 0.1 while most rounds still
-    paired (README, benchmarks/noloco_swarm.py). Raise it when
+    draining, finishing, or expected later than the bound by their cards). With 0.25 the 4-worker
+    demo measured a blocked share of 0.13 with most rounds paired (README,
+    benchmarks/noloco_swarm.py for NoLoCo vs DiLoCo on real processes). Raise it when
     ``swarmnode_outer_solo_rounds_total{reason="wait_bound"}`` is a large share of the rounds
     (too few pairs, replicas drift); lower it when ``swarmnode_outer_blocked_fraction`` is high.
     0 waits only for a partner already waiting (``min_wait_s``)."""

@@ -573,7 +573,7 @@ class NoLoCoRole(RoleBase):
 
     async def _watch_wait(self, rnd: int, end_wall: float) -> None:
         while time.time() < end_wall:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.5)  # each poll is a DHT read on every waiting worker: keep them few
             views = await self._read_views(timeout=max(0.1, min(2.0, end_wall - time.time())))
             if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=end_wall):
                 await self.exchange.stop_waiting(rnd, "nobody")
