@@ -190,15 +190,18 @@ def pick_partner(waiting: dict[int, tuple[int, float]], r: int, max_round_skew: 
 
 
 def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int], float],
-                    round_timeout: float, max_round_skew: int = 2, seed: int = 0,
+                    round_timeout: float | Sequence[float], max_round_skew: int = 2, seed: int = 0,
                     match_overhead_s: float = 0.0) -> Schedule:
     """Barrier-free pairing in virtual time (see the module docstring).
 
     Events are processed in (time, kind, worker) order: arrivals (kind 0) before timeouts
     (kind 1) at the same instant, so a partner arriving exactly at the deadline still pairs.
     On arrival a worker pairs with a waiting worker within `max_round_skew` rounds, preferring
-    the same round, uniformly at random among candidates (seeded `random.Random`)."""
+    the same round, uniformly at random among candidates (seeded `random.Random`).
+    `round_timeout`: one wait for everyone, or one per worker (the role's waiting policy
+    bounds each worker's wait by its own pace: benchmarks/noloco_swarm.py)."""
     W = len(dur)
+    waits = [float(round_timeout)] * W if isinstance(round_timeout, (int, float)) else [float(x) for x in round_timeout]
     rng = random.Random(f"pairing:{seed}:{W}")
     sched = Schedule("noloco")
     heap: list[tuple[float, int, int, int]] = []   # (time, kind, worker, round)
@@ -223,7 +226,7 @@ def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int],
         p = pick_partner(waiting, r, max_round_skew, rng)
         if p is None:
             waiting[w] = (r, t)
-            heapq.heappush(heap, (t + round_timeout, 1, w, r))
+            heapq.heappush(heap, (t + waits[w], 1, w, r))
             continue
         pr, p_arrival = waiting.pop(p)
         end = t + match_overhead_s + pair_s(w, p)   # t = max(arrivals): p was already waiting

@@ -26,8 +26,14 @@ second). Its attributes:
 - optional ``PROGRESS_METRICS: dict[str, str]``: row key -> metric name (summed over its labels)
   for figures the role-neutral metrics lack (they override a default key of the same name),
   ``PROGRESS_COLUMNS: dict[str, str]``: label -> row key of the figures each progress line shows
-  after the step (default loss and rounds; a figure the role lacks is left out), and
-  ``summary_text(summary) -> str``: the closing line.
+  after the step (default loss and rounds; a figure the role lacks is left out),
+  ``RATIOS: dict[str, tuple[str, str]]``: key -> (numerator, denominator) row keys; each row
+  gets the ratio, the summary the ratio of the sums over workers (e.g. seconds blocked /
+  seconds training), and ``summary_text(summary) -> str``: the closing line.
+
+Progress lines show a worker's state, not figures, until its first step. When every node has
+exited the demo stops at once; if one failed, it prints that node's first error line and exits
+non-zero.
 
 The default progress figures come from the role-neutral metrics (``swarmnode_train_*``,
 ``swarmnode_eval_*``, ``swarmnode_outer_rounds_total``). Without any demo module installed (or
@@ -111,8 +117,33 @@ def node_progress(node: NodeProc, demo: ModuleType | None = None) -> dict[str, A
         row[key] = _sum(m, name) if _m(m, name) is not None else None
     done = _finished_event(node, demo.FINISHED_EVENT) if demo is not None and not node.alive() else None
     if done:  # exact final figures, even if the last scrape missed them
-        row.update({key: done[field] for key, field in demo.FINISHED_FIELDS.items()}, state="finished")
+        row.update({key: done.get(field) for key, field in demo.FINISHED_FIELDS.items()}, state="finished")
+    for key, (num, den) in getattr(demo, "RATIOS", {}).items():
+        row[key] = _ratio([row.get(num)], [row.get(den)])
     return row
+
+
+def _ratio(nums: list, dens: list) -> float | None:
+    """sum(nums) / sum(dens) over the rows that have both, or None (nothing measured yet)."""
+    pairs = [(a, b) for a, b in zip(nums, dens) if isinstance(a, (int, float)) and isinstance(b, (int, float))]
+    den = sum(b for _, b in pairs)
+    return sum(a for a, _ in pairs) / den if pairs and den > 0 else None
+
+
+def first_error_line(text: str) -> str:
+    """The first line of a node log that reports an error (a JSON record at level error or
+    critical, a traceback, an ``...Error:`` line), else its last non-empty line."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if '"level": "error"' in ln or '"level": "critical"' in ln:
+            try:
+                rec = json.loads(ln)
+                return f"{rec.get('msg', '')} {rec.get('exc', '') or ''}".strip() or ln
+            except json.JSONDecodeError:
+                return ln
+        if ln.startswith("Traceback") or "Error:" in ln:
+            return ln.strip()
+    return lines[-1].strip() if lines else "(empty log)"
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:
@@ -125,7 +156,7 @@ DEFAULT_COLUMNS = {"loss": "loss", "rounds": "rounds"}
 def print_progress(rows: list[dict[str, Any]], t: float, columns: dict[str, str] = DEFAULT_COLUMNS) -> None:
     parts = []
     for r in rows:
-        if r["steps"] is None:
+        if not r["steps"]:  # before the first step: its state, never "loss 0.000"
             parts.append(f"{r['name']}:{r['state']}")
         else:
             figures = " ".join(f"{label} {_fmt(r.get(key), '.0f' if key == 'rounds' else '.3f')}"
@@ -179,12 +210,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"  {w.name}: peer {w.peer_id[:20]}… grpc 127.0.0.1:{w.grpc_port} "
                   f"ops http://127.0.0.1:{w.ops_port}/metrics  log {w.log_path}", flush=True)
         try:
+            next_print = time.monotonic() + 3.0
             while True:
-                time.sleep(3.0)
-                finished = training and all(not w.alive() for w in workers)  # before reading: final rows
+                time.sleep(0.5)
+                # every node gone (finished or failed): stop at once, nothing is left to watch
+                finished = all(not w.alive() for w in workers)  # before reading: final rows
+                timed_out = args.duration is not None and time.monotonic() - t0 >= args.duration
+                if not (finished or timed_out or time.monotonic() >= next_print):
+                    continue
+                next_print = time.monotonic() + 3.0
                 rows = [node_progress(w, demo) for w in workers]
                 print_progress(rows, time.monotonic() - t0, getattr(demo, "PROGRESS_COLUMNS", DEFAULT_COLUMNS))
-                if finished or (args.duration is not None and time.monotonic() - t0 >= args.duration):
+                if finished or timed_out:
                     break
         except KeyboardInterrupt:
             print("\nstopping (Ctrl-C): draining every node…", flush=True)
@@ -194,6 +231,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for key in getattr(demo, "SUMMARY_KEYS", ()) if training else ():  # optional: role figures, mean over nodes
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         summary[key] = sum(vals) / len(vals) if vals else None
+    for key, (num, den) in getattr(demo, "RATIOS", {}).items() if training else ():  # over all workers
+        summary[key] = _ratio([r.get(num) for r in rows], [r.get(den) for r in rows])
     if training and hasattr(demo, "summary_text"):
         print(f"summary: {demo.summary_text(summary)}", flush=True)
     elif training:
@@ -204,7 +243,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"summary: {n} {role} node(s) ran for {summary['wall_s']} s", flush=True)
     for w in failed:
-        print(f"warning: {w.name} exited with {w.proc.returncode}; see {w.log_path}", file=sys.stderr)
+        print(f"error: {w.name} exited with {w.proc.returncode}: {first_error_line(w.log_text())}  "
+              f"(full log: {w.log_path})", file=sys.stderr)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "per_node"}))
     return 1 if failed else 0

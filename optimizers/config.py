@@ -91,8 +91,34 @@ class NoLoCoConfig(BaseModel):
     to round_timeout). Raise it if many rounds end solo with "could not find a group"."""
 
     round_timeout: float = Field(10.0, gt=0)
-    """Seconds a worker waits for its partner(s) before taking the solo step. Raise it on slow
-    links if `swarmnode_outer_solo_rounds_total{reason="timeout"}` rises while peers are alive."""
+    """Hard cap, in seconds, on one outer exchange (waiting plus transfer). NoLoCo workers
+    normally stop waiting much earlier (``wait_fraction``); DiLoCo waits for its group up to this.
+    Raise it on slow links if `swarmnode_outer_solo_rounds_total{reason="timeout"}` rises while
+    peers are alive."""
+
+    wait_fraction: float = Field(0.25, ge=0)
+    """Waiting policy (NoLoCo, seeded pairing): the longest a worker waits for a partner, as a
+    fraction of its own measured inner phase (seconds per inner step, averaged, times
+    inner_steps), floored at ``min_wait_s`` and capped by ``round_timeout``. It also stops
+    waiting at once when no live READY peer can still meet it at this round (all past it,
+    draining, finishing, or expected later than the bound by their cards). With 0.25 the 4-worker
+    demo measured a blocked share of 0.13-0.14 with most rounds paired (README,
+    benchmarks/noloco_swarm.py for NoLoCo vs DiLoCo on real processes). Raise it when
+    ``swarmnode_outer_solo_rounds_total{reason="wait_bound"}`` is a large share of the rounds
+    (too few pairs, replicas drift); lower it when ``swarmnode_outer_blocked_fraction`` is high.
+    0 waits only for a partner already waiting (``min_wait_s``)."""
+
+    min_wait_s: float = Field(0.5, ge=0)
+    """Floor of the waiting bound in seconds: time enough for a roster read and a handshake with
+    a partner already waiting. Raise it on slow DHT/links if rounds go solo with
+    reason="wait_bound" while partners are alive and waiting."""
+
+    compute_while_waiting: bool = True
+    """When no partner can meet this worker within its wait bound but a peer's card says it
+    reaches its exchange within 1.5 inner phases, keep training (extra inner steps in this
+    round) until then and pair at the frontier label, instead of a solo step. Keeps equal-speed
+    workers from locking into fixed pairs with the odd one always alone. Turn it off for
+    strictly H inner steps per outer step (e.g. to compare with the paper's schedule)."""
 
     jitter_s: float = Field(2.5, ge=0)
     """Uniform random delay (0..jitter_s) added to each matchmaking start so that arrival order,

@@ -127,6 +127,21 @@ class OuterExchange:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._group.run(st, expected, timeout))
 
+    async def stop_waiting(self, round: int, reason: str) -> bool:  # noqa: A002
+        """End the pair wait for ``round`` now, as a solo round with ``reason``, unless a partner
+        is already matched (an exchange in flight always runs to its end). The role's waiting
+        policy calls it when nobody can still meet this worker or its wait bound is spent.
+        True if the wait was ended."""
+        st = self.link.state
+        if st is None or st.round != int(round) or st.mode != "pair":
+            return False
+        async with self.link.lock:  # the same lock a proposal holds: no match can slip in between
+            if st.matched is not None or st.closed:
+                return False
+            st.closed, st.solo_reason = True, reason
+        st.wake.set()
+        return True
+
     def charge(self, peers: Sequence[str], reason: str) -> None:
         """The role found the mean of a round with ``peers`` unusable (its outer step was rolled
         back): skip them as partners for a while, as if their tensors had been rejected."""

@@ -126,6 +126,7 @@ class Round:
     collect_end: float = 0.0
     matched: str | None = None
     closed: bool = False                        # no more accepts (solo decided / closing)
+    solo_reason: str = ""                       # why the caller ended the wait early (stop_waiting)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     incoming: asyncio.Future | None = None      # result of an exchange served by the handler
     digests: asyncio.Task | None = None         # digests(tensors), started on entry

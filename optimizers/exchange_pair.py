@@ -65,7 +65,7 @@ class PairExchange:
                     if st.matched is None:
                         st.closed = True
                 if st.matched is None:
-                    why = "closed" if link.closed else ("timeout" if seen else "no_partner")
+                    why = "closed" if link.closed else (st.solo_reason or ("timeout" if seen else "no_partner"))
                     res = ExchangeResult(None, 1, [], C.SOLO, why)
                 else:  # matched by an incoming proposal: its handler produces the result
                     try:

@@ -32,5 +32,15 @@ FINISHED_FIELDS = {
     "steps": "step", "rounds": "outer_steps", "rounds_ok": "rounds_ok",
     "loss_start": "train_loss_start", "loss": "train_loss_end",
     "eval_loss_start": "eval_loss_start", "eval_loss": "eval_loss_end",
+    "blocked_s": "blocked_s", "train_s": "train_s",
 }
 """Progress-row key -> field of the ``FINISHED_EVENT`` record that holds its final value."""
+
+PROGRESS_METRICS = {"blocked_s": "swarmnode_outer_blocked_seconds_sum", "train_s": "swarmnode_outer_training_seconds"}
+"""Seconds blocked in outer exchanges and seconds training so far, per worker."""
+
+RATIOS = {"blocked_fraction": ("blocked_s", "train_s")}
+"""``blocked_fraction``: seconds blocked / seconds training (per worker in the progress lines;
+over all workers in the ``--json`` summary)."""
+
+PROGRESS_COLUMNS = {"loss": "loss", "rounds": "rounds", "blocked": "blocked_fraction"}

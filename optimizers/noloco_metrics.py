@@ -30,6 +30,18 @@ PARTNER_REPEAT = Gauge("swarmnode_outer_partner_repeat_ratio",
 REPLICA_SPREAD = Gauge("swarmnode_replica_spread",
                        "RMS distance per parameter between this worker's theta and its group mean (pre-step).",
                        registry=REGISTRY)
+TRAINING_SECONDS = Gauge("swarmnode_outer_training_seconds",
+                         "Wall seconds since this worker started training (inner phases plus outer steps).",
+                         registry=REGISTRY)
+BLOCKED_FRACTION = Gauge("swarmnode_outer_blocked_fraction",
+                         "Seconds blocked in outer exchanges / seconds training, since training started.",
+                         registry=REGISTRY)
+WAIT_BOUND = Gauge("swarmnode_outer_wait_bound_seconds",
+                   "The waiting policy's current bound on waiting for a partner (noloco.wait_fraction).",
+                   registry=REGISTRY)
+EXTRA_STEPS = Counter("swarmnode_outer_wait_compute_steps_total",
+                      "Inner steps added to rounds instead of waiting alone (noloco.compute_while_waiting).",
+                      registry=REGISTRY)
 UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer update of phi.", registry=REGISTRY)
 
 # Every outcome exists from the start (at 0): rate() and increase() then see the first failed

@@ -54,10 +54,11 @@ from node.state_sync import StateFetchError, StateServicer, StateSnapshot, add_s
     meta_int, order_donors
 from optimizers import noloco_metrics as M
 from optimizers.config import NoLoCoConfig
-from optimizers.exchange import OuterExchange, add_exchange_to_server
+from optimizers.exchange import ExchangeResult, OuterExchange, add_exchange_to_server
 from optimizers.exchange_common import TensorBounds
 from optimizers.noloco import copy_into, make_outer
 from optimizers.roster import ROSTER
+from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, someone_can_meet, steps_to_wait, wait_bound
 
 log = logging.getLogger("swarmnode.noloco")
 
@@ -170,6 +171,10 @@ class NoLoCoRole(RoleBase):
         self._good_m: list[torch.Tensor] | None = None  # host copy of m after the last good outer step
         self._good_norm: tuple[int, float] | None = None  # (id of the snapshot, ||phi|| in it)
         self._catch_up = self.cfg.catch_up and self.cfg.outer == "noloco"  # DiLoCo resyncs phi instead
+        self._step_s: float | None = None  # measured seconds per inner step (moving average): the wait bound
+        self._t_train0: float | None = None  # monotonic time training started (blocked fraction)
+        self._blocked_s = 0.0  # seconds blocked in outer exchanges since training started
+        self._eval_s = 0.0  # duration of the last evaluation (predicts when we next exchange)
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
 
     def _parts(self) -> dict:
@@ -248,6 +253,7 @@ class NoLoCoRole(RoleBase):
         M.OUTER_ROUND.set(self.round)
         self.ctx.card.update(round=self.round, outer=self.cfg.outer, cfg_hash=self.cfg_hash)
         await self.ctx.set_role_ready(True, "ready", "")
+        self._t_train0 = time.monotonic()
         log.info("training from round %d step %d (eval loss %.4f)", self.round, self.step, eval0,
                  extra={"event": "training_started", "round": self.round, "step": self.step, "eval_loss": eval0})
         while not self._stopping:
@@ -267,7 +273,8 @@ class NoLoCoRole(RoleBase):
                          extra={"event": "training_finished", "step": self.step, "round": self.round,
                                 "eval_loss_start": eval0, "eval_loss_end": final_eval,
                                 "train_loss_start": self._first_loss, "train_loss_end": self._last_loss,
-                                "rounds_ok": self._rounds_ok, "outer_steps": self._outer_steps})
+                                "rounds_ok": self._rounds_ok, "outer_steps": self._outer_steps,
+                                "blocked_s": round(self._blocked_s, 3), "train_s": round(self._train_s(), 3)})
                 self.ctx.request_drain("finished")
 
     # ---------------- joining / resuming ----------------
@@ -433,17 +440,40 @@ class NoLoCoRole(RoleBase):
         h = self.cfg.inner_steps
         if self.cfg.exit_after_steps:
             h = max(1, min(h, self.cfg.exit_after_steps - self.step))
+        step0 = self.step
         loss = await self.compute.run(self._inner_steps, h)
+        if self.step > step0:  # the worker's own pace: what the waiting policy scales with
+            per_step = (time.monotonic() - t_round) / (self.step - step0)
+            self._step_s = per_step if self._step_s is None else 0.5 * self._step_s + 0.5 * per_step
         if self._stopping:
             return
-        rnd = await self._catch_up_round() if self._catch_up else self.round
+        t_outer = time.perf_counter()  # from here the worker computes nothing: blocked time
+        views = await self._read_views() if self.cfg.outer == "noloco" else None
+        rnd = self._catch_up_round(views) if self._catch_up else self.round
+        extra = self._steps_until_partner(views, rnd)
+        if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
+            log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd, extra,
+                     extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
+            M.EXTRA_STEPS.inc(extra)
+            loss = await self.compute.run(self._inner_steps, extra)
+            if self._stopping:
+                return
+            t_outer = time.perf_counter()
+            views = await self._read_views()
+            rnd = self._catch_up_round(views) if self._catch_up else self.round
+        last = bool(self.cfg.exit_after_steps) and self.step >= self.cfg.exit_after_steps
         tensors = await self.compute.run(self._outgoing)
-        timeout = self.cfg.round_timeout
+        timeout, bound = self.cfg.round_timeout, None
         if self.cfg.outer == "diloco":
             expected = await self._live_workers()
             res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
         else:
-            res = await self.exchange.pair_average(rnd, tensors, timeout)
+            bound = wait_bound(self._step_s, self.cfg)
+            if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=time.time() + bound):
+                res = ExchangeResult(None, 1, [], "solo", "nobody")  # no exchange at all: nobody will come
+            else:
+                res = await self._pair_within_bound(rnd, tensors, bound)
+        res.blocked_s = time.perf_counter() - t_outer
         outcome, reason = res.outcome, res.reason
         n = res.n if res.mean is not None and res.n > 1 else 1
         norm, spread = await self.compute.run(self._outer_step, res.mean, n, tensors)
@@ -470,6 +500,9 @@ class NoLoCoRole(RoleBase):
         self._rounds_ok += n > 1
         self._outer_steps += 1
         M.BLOCKED_SECONDS.observe(res.blocked_s)
+        self._blocked_s += res.blocked_s
+        M.TRAINING_SECONDS.set(self._train_s())
+        M.BLOCKED_FRACTION.set(self._blocked_s / max(1e-6, self._train_s()))
         M.SENT_BYTES.inc(res.sent_bytes)
         M.RECEIVED_BYTES.inc(res.received_bytes)
         TRANSFER_BYTES.labels(direction="sent", kind="outer").inc(res.sent_bytes)
@@ -483,19 +516,76 @@ class NoLoCoRole(RoleBase):
             M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
         # blocked: share of this round's wall time spent waiting for the group (swarmnode status)
         blocked = res.blocked_s / max(1e-6, time.monotonic() - t_round)
-        self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), publish=self._catch_up)
+        # finishing: this was the last round; no peer waits for it at a later label (waiting policy)
+        eval_due = bool(self.cfg.eval_every) and self.round % self.cfg.eval_every == 0
+        next_at = time.time() + (self._step_s or 0.0) * self.cfg.inner_steps + (self._eval_s if eval_due else 0.0)
+        self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), **{FINISHING: last},
+                             **{NEXT_EXCHANGE_AT: round(next_at, 3)}, publish=self._catch_up or last)
         set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,
                  extra={"event": "averaging_round_done", "round": self.round, "group_size": n, "outcome": outcome,
                         "reason": reason, "partners": list(res.partners), "train_loss": loss,
-                        "blocked_s": round(res.blocked_s, 3), "step": self.step})
-        if self.cfg.eval_every and self.round % self.cfg.eval_every == 0:
-            NM.EVAL_LOSS.set(await self.compute.run(evaluate, self.model, self.eval_set))
+                        "blocked_s": round(res.blocked_s, 3), "step": self.step,
+                        "wait_bound_s": None if bound is None else round(bound, 3),
+                        "exchange_s": round(res.exchange_s, 3),
+                        "train_s": round(self._train_s(), 3)})
+        if eval_due:
+            t_eval = time.monotonic()
+            ev = await self.compute.run(evaluate, self.model, self.eval_set)
+            self._eval_s = time.monotonic() - t_eval
+            NM.EVAL_LOSS.set(ev)
+            log.info("round %d: eval loss %.4f", self.round, ev,
+                     extra={"event": "eval_done", "round": self.round, "step": self.step, "eval_loss": ev,
+                            "train_s": round(self._train_s(), 3)})
         if self.cfg.checkpoint_every and self.round % self.cfg.checkpoint_every == 0:
             await self.compute.run(self._save_checkpoint)
         if self.cfg.outer == "diloco" and n == 1 and outcome != "ok":
             await self._resync_phi()
+
+    # ---------------- waiting policy (issue 8) ----------------
+    def _train_s(self) -> float:
+        return 0.0 if self._t_train0 is None else time.monotonic() - self._t_train0
+
+    def _steps_until_partner(self, views: list | None, rnd: int) -> int:
+        """Inner steps to add to this round instead of a solo step (``compute_while_waiting``)."""
+        if views is None or self.cfg.outer != "noloco" or not self.cfg.compute_while_waiting:
+            return 0
+        room = self.cfg.inner_steps + self.cfg.inner_steps // 2  # at most half a phase more than one
+        if self.cfg.exit_after_steps:
+            room = min(room, self.cfg.exit_after_steps - self.step)
+        return steps_to_wait(self._ready_peers(views), rnd, time.time(), wait_bound(self._step_s, self.cfg),
+                             self._step_s, room)
+
+    async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor], bound: float) -> ExchangeResult:
+        """NoLoCo's exchange under the waiting policy. The transport gets ``round_timeout`` as
+        its hard cap; the *wait* (never an exchange already matched) ends when ``bound`` is spent
+        or as soon as no live peer can still meet us at ``rnd`` within it (node cards, polled)."""
+        M.WAIT_BOUND.set(bound)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(bound, lambda: asyncio.ensure_future(self.exchange.stop_waiting(rnd, "wait_bound")))
+        watch = asyncio.ensure_future(self._watch_wait(rnd, time.time() + bound))
+        try:
+            return await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout)
+        finally:
+            timer.cancel()
+            watch.cancel()
+
+    async def _watch_wait(self, rnd: int, end_wall: float) -> None:
+        while time.time() < end_wall:
+            await asyncio.sleep(0.5)  # each poll is a DHT read on every waiting worker: keep them few
+            views = await self._read_views(timeout=max(0.1, min(2.0, end_wall - time.time())))
+            if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=end_wall):
+                await self.exchange.stop_waiting(rnd, "nobody")
+                return
+
+    async def _read_views(self, timeout: float | None = None) -> list | None:
+        """The run's node cards, or None when the DHT gives no answer in time."""
+        try:
+            return await read_cards(self.ctx.membership.dht, self.ctx.config.run_id,
+                                    timeout=timeout or min(2.0, self.cfg.round_timeout / 4))
+        except Exception:  # noqa: BLE001 - no view of the swarm this time: callers keep their defaults
+            return None
 
     # ---------------- checks and rollback (security.md §7; issue 7) ----------------
     def _outer_result_problem(self, norm: float) -> str | None:
@@ -571,13 +661,10 @@ class NoLoCoRole(RoleBase):
         log.info("outer steps are good again: ready", extra={"event": "recovered", "round": self.round})
         await self.ctx.set_role_ready(True, "ready", "")
 
-    async def _catch_up_round(self) -> int:
+    def _catch_up_round(self, views: list | None) -> int:
         """The round label for this exchange: ours, or the most advanced live peer's if higher
         (see ``WorkerConfig.catch_up``). ``self.round`` moves only when the round completes."""
-        try:
-            views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id,
-                                     timeout=min(2.0, self.cfg.round_timeout / 4))
-        except Exception:  # noqa: BLE001 - no view of the swarm this round: keep our label
+        if views is None:  # no view of the swarm this round: keep our label
             return self.round
         # range check: a card more than max_round_jump past the peers' median is ignored, never adopted
         target = frontier_card_int(self._ready_peers(views), "round", self.cfg.max_round_jump, own=self.round)
@@ -593,8 +680,9 @@ class NoLoCoRole(RoleBase):
             views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
         except Exception:  # noqa: BLE001 - unknown: assume just us and whoever shows up
             return 1
-        return max(1, len(peers(views, role=self.name, cfg_hash=self.cfg_hash, states=("ready", "joining"),
-                                unknown_cfg_ok=True)))
+        return max(1, len([v for v in peers(views, role=self.name, cfg_hash=self.cfg_hash,
+                                            states=("ready", "joining"), unknown_cfg_ok=True)
+                           if v.card.details.get(FINISHING) is not True]))
 
     def _ready_peers(self, views: list) -> list:
         """The other READY workers of our config: the peers this worker may take state from or

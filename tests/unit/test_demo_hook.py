@@ -95,3 +95,32 @@ def test_a_demo_module_adds_its_own_progress_figures(capsys):
                "reward_end": None}
     assert mod.summary_text(summary) == ("3 peers, 7 rounds each: held-out accuracy 0.200 -> 0.400, "
                                          "reward 0.100 -> - (mean over peers)")
+
+
+def test_noloco_rows_show_blocked_fraction_and_a_blank_before_the_first_step(capsys):
+    mod = demo.demo_module("noloco")
+    fresh = demo.node_progress(_Running({"swarmnode_train_steps_total": 0.0, "swarmnode_train_loss": 0.0}), mod)
+    demo.print_progress([fresh], 1.0, mod.PROGRESS_COLUMNS)
+    out = capsys.readouterr().out
+    assert "w0:starting" in out and "loss" not in out                 # not "loss 0.000"
+    metrics = {"swarmnode_train_steps_total": 40.0, "swarmnode_train_loss": 2.5,
+               'swarmnode_outer_rounds_total{outcome="ok"}': 1.0, 'swarmnode_outer_rounds_total{outcome="solo"}': 1.0,
+               "swarmnode_outer_blocked_seconds_sum": 1.5, "swarmnode_outer_training_seconds": 12.0}
+    row = demo.node_progress(_Running(metrics), mod)
+    assert row["blocked_fraction"] == 0.125
+    demo.print_progress([row], 1.0, mod.PROGRESS_COLUMNS)
+    assert "w0: step 40 loss 2.500 rounds 2 blocked 0.125" in capsys.readouterr().out
+    other = dict(row, blocked_s=0.5, train_s=28.0)
+    summary = demo.summarize([row, other], 2, 30.0)
+    assert demo._ratio([r["blocked_s"] for r in (row, other)], [r["train_s"] for r in (row, other)]) == 0.05
+    assert summary["nodes"] == 2
+
+
+def test_first_error_line_names_the_failure():
+    log = "\n".join([json.dumps({"level": "info", "msg": "starting"}),
+                     json.dumps({"level": "error", "msg": "bad [stage] config: n_stages=0", "exc": ""}),
+                     json.dumps({"level": "error", "msg": "later"})])
+    assert demo.first_error_line(log) == "bad [stage] config: n_stages=0"
+    assert demo.first_error_line("boot\nTraceback (most recent call last):\n  x\nValueError: y\n").startswith("Traceback")
+    assert demo.first_error_line("only a line\n") == "only a line"
+    assert demo.first_error_line("") == "(empty log)"

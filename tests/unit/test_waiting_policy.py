@@ -1,0 +1,76 @@
+"""optimizers/waiting.py: the NoLoCo waiting bound and the "nobody can meet us" rule (issue 8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.card import CardView, NodeCard
+from optimizers.config import NoLoCoConfig
+from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, someone_can_meet, steps_to_wait, wait_bound
+
+
+def view(peer, **details):
+    card = NodeCard(role="noloco", state="ready", version="0", grpc_addr="127.0.0.1:1", started_at=0.0,
+                    published_at=0.0, details=details)
+    return CardView(peer_id=peer, card=card, expiration=0.0)
+
+
+def test_bound_is_a_fraction_of_the_own_inner_phase():
+    cfg = NoLoCoConfig(inner_steps=20, wait_fraction=0.25, min_wait_s=0.5, round_timeout=10.0)
+    assert wait_bound(0.4, cfg) == pytest.approx(0.25 * 0.4 * 20)   # 8 s phase -> 2 s
+    assert wait_bound(1.2, cfg) == pytest.approx(6.0)               # a 3x slower worker waits 3x longer
+
+
+def test_bound_floor_and_hard_cap():
+    cfg = NoLoCoConfig(inner_steps=20, wait_fraction=0.25, min_wait_s=0.5, round_timeout=10.0)
+    assert wait_bound(None, cfg) == 0.5            # nothing measured yet: the floor
+    assert wait_bound(0.01, cfg) == 0.5            # 0.05 s by the fraction: the floor wins
+    assert wait_bound(100.0, cfg) == 10.0          # round_timeout is the hard cap
+    assert wait_bound(100.0, cfg.model_copy(update={"round_timeout": 3.0})) == 3.0
+
+
+def test_defaults_are_documented_values():
+    cfg = NoLoCoConfig()
+    assert (cfg.wait_fraction, cfg.min_wait_s) == (0.25, 0.5)
+    assert NoLoCoConfig(wait_fraction=0.9).cfg_hash() == cfg.cfg_hash()
+
+
+def test_nobody_left_when_all_peers_are_past_or_finishing():
+    assert not someone_can_meet([], 5)
+    assert not someone_can_meet([view("a", round=6), view("b", round=9)], 5)        # all past label 5
+    assert not someone_can_meet([view("a", round=5, **{FINISHING: True})], 5)       # took its last round
+    assert not someone_can_meet([view("a", round=6), view("b", round=3, **{FINISHING: True})], 5)
+
+
+def test_someone_left_when_a_peer_is_at_or_behind_the_label():
+    assert someone_can_meet([view("a", round=5)], 5)                  # in its inner phase for round 5
+    assert someone_can_meet([view("a", round=7), view("b", round=2)], 5)  # behind: it catches up
+    assert someone_can_meet([view("a")], 5)                           # no round yet: about to start
+    assert someone_can_meet([view("a", round=4, **{FINISHING: False})], 5)
+    assert someone_can_meet([view("a", round=True)], 5)               # junk round reads as unknown
+
+
+def test_a_peer_expected_after_the_wait_cannot_meet_us():
+    now = 1000.0
+    late = view("a", round=5, **{NEXT_EXCHANGE_AT: now + 3.0})
+    soon = view("b", round=5, **{NEXT_EXCHANGE_AT: now + 0.3})
+    waiting = view("c", round=5, **{NEXT_EXCHANGE_AT: now - 2.0})    # already waiting at the exchange
+    assert not someone_can_meet([late], 5, by=now + 1.0)
+    assert someone_can_meet([late, soon], 5, by=now + 1.0)
+    assert someone_can_meet([waiting], 5, by=now + 1.0)
+    assert someone_can_meet([late], 5)                                 # no deadline: only the label counts
+    assert someone_can_meet([view("d", round=5, **{NEXT_EXCHANGE_AT: float("nan")})], 5, by=now)  # junk: unknown
+    assert not someone_can_meet([view("e", round=7, **{NEXT_EXCHANGE_AT: now})], 5, by=now + 1.0)  # past the label
+
+
+def test_compute_while_waiting_runs_until_the_next_peer_is_due():
+    now, step = 1000.0, 0.1
+    due_in_1s = view("a", round=5, **{NEXT_EXCHANGE_AT: now + 1.0})
+    assert steps_to_wait([due_in_1s], 5, now, bound=0.5, step_s=step, max_steps=20) == 10
+    assert steps_to_wait([due_in_1s], 5, now, bound=1.5, step_s=step, max_steps=20) == 0   # within the bound: wait
+    assert steps_to_wait([due_in_1s], 5, now, bound=0.5, step_s=step, max_steps=5) == 0    # too far: solo now
+    assert steps_to_wait([], 5, now, bound=0.5, step_s=step, max_steps=20) == 0            # nobody at all
+    assert steps_to_wait([due_in_1s], 5, now, bound=0.5, step_s=None, max_steps=20) == 0   # pace unknown
+    finishing = view("b", round=5, **{NEXT_EXCHANGE_AT: now + 1.0, FINISHING: True})
+    assert steps_to_wait([finishing], 5, now, bound=0.5, step_s=step, max_steps=20) == 0
+    assert steps_to_wait([view("c", round=5, **{NEXT_EXCHANGE_AT: now + 0.01})], 5, now, 0.0, step, 20) == 1
