@@ -170,8 +170,8 @@ def test_every_metric_in_panels_variables_and_rules_exists(gen, dashboards):
 def promtool() -> str:
     exe = shutil.which("promtool")
     if exe is None:
-        if os.environ.get("SWARMNODE_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail("promtool is missing but SWARMNODE_REQUIRE_PROMETHEUS=1 (scripts/test.sh installs it)")
+        if os.environ.get("CI_REQUIRE_DEPLOY_TOOLS") == "1":
+            pytest.fail("promtool is missing but CI_REQUIRE_DEPLOY_TOOLS=1 (scripts/test.sh installs it)")
         pytest.skip("promtool not installed (apt-get install prometheus); scripts/test.sh installs it in CI")
     return exe
 
