@@ -1,8 +1,9 @@
 """A real Prometheus scraping a real local swarm: every dashboard panel returns data, the rules
-load and evaluate, and the alerts for a killed node fire (issue 16).
+load (``promtool check rules``) and evaluate, and the alerts for a killed node fire (issue 16).
 
-The swarm: a bootstrap and workers of every installed role (:data:`ROLE_NODES` says how many and
-with which settings; a new role must add itself there). Prometheus (Debian's ``prometheus``,
+The swarm: a bootstrap and workers of every installed role, each started with its demo module's
+settings (node/demo.py's contract; :data:`ROLE_NODES` says how many, and a new role must add
+itself there). Prometheus (Debian's ``prometheus``,
 installed by scripts/test.sh) runs the repository's ``deploy/prometheus/prometheus.yml`` adapted
 to this host: the same jobs, paths and rule files, with the compose DNS names replaced by the
 127.0.0.1 ports of the nodes of the same role, a 1 s scrape/evaluation interval and the alerts'
@@ -183,6 +184,11 @@ def test_dashboards_rules_and_alerts_on_a_live_swarm(tmp_path):
                 targets[r] = [f"127.0.0.1:{n.ops_port}" for n in nodes]
             prom_port = free_port()
             config = local_config(tmp_path, targets, prom_port)
+            promtool = shutil.which("promtool") or pytest.fail("promtool missing (Debian's prometheus ships it)")
+            for check in (["rules", *sorted(str(p) for p in (DEPLOY / "prometheus" / "rules").glob("*.yml"))],
+                          ["config", str(config)]):   # the repo's rules as written, the adapted config
+                out = subprocess.run([promtool, "check", *check], capture_output=True, text=True, timeout=60)
+                assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
             with open(tmp_path / "prometheus.log", "wb") as log:
                 procs.append(subprocess.Popen(
                     [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
