@@ -137,9 +137,6 @@ DASHBOARDS: dict[str, Dashboard] = {
            "norm, ...).", (f"sum by (reason) (rate(swarmnode_tensors_rejected_total[{RATE}]) * {NODE})", "{{reason}}")),
         ts("Peers banned", "short", "Peers or IPs each node bans right now for repeated rejected calls.",
            (f"swarmnode_peers_banned * {NODE}", "{{instance}}")),
-        ts("Task failures", "short", "Supervised background task failures per interval (a task past its restart "
-           "budget stops the node with exit 1).",
-           (f"sum by (instance) (increase(swarmnode_task_failures_total[{RATE}]) * {NODE})", "{{instance}}")),
         table_("Nodes (card view)", "short", "One row per live node card: peer ID, role, state, version.",
                (f"max by (peer_id, role, state, version) (swarmnode_swarm_card_info{{{SWARM}}})", "")),
     )),

@@ -89,7 +89,7 @@ class BootstrapRole(RoleBase):
                 log.debug("census failed: %r", exc)
                 CENSUS.failed()
             else:
-                CENSUS.update(views)
+                CENSUS.update(self.ctx.config.run_id, views)
             await asyncio.sleep(CENSUS_INTERVAL_S)
 
     async def drain(self, budget_s: float) -> None:

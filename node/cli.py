@@ -76,6 +76,8 @@ def cmd_run(args: argparse.Namespace, role: str | None) -> int:
     setup_logging(cfg.log)
     try:
         from node.daemon import run_node
+        from node.shm import warn_if_small
+        warn_if_small()
         return run_node(cfg)
     finally:
         shutdown_logging()

@@ -3,17 +3,18 @@
 A bootstrap node reads every live card each few seconds (``node/bootstrap_role.py``) and hands
 them to :data:`CENSUS`; its ops HTTP serves the result at ``/metrics/swarm``. One scrape of the
 bootstrap therefore shows the whole run, including workers behind NAT that Prometheus cannot
-reach. Series (``run`` comes from Prometheus's target labels or ``swarmnode_node_info``):
+reach. Every series carries the bootstrap's ``run`` label:
 
-- ``swarmnode_swarm_nodes{role,state}``: live cards by role and lifecycle state; every installed
-  role and every state is exported, zeros included, so "below N" alerts see a missing role;
+- ``swarmnode_swarm_nodes{role,state}``: live cards by role and lifecycle state; every role seen
+  since the bootstrap started keeps all four states, zeros included, so a "below N ready" alert
+  still sees a role whose last node left (and a role never deployed raises nothing);
 - ``swarmnode_swarm_joins_total{role}`` / ``swarmnode_swarm_leaves_total{role,how}``: peer IDs
   that appeared / disappeared between two reads; ``how`` is ``drained`` (its last card said
   draining or offline) or ``vanished`` (the card expired while joining or ready: a crash or an
   unannounced preemption);
 - ``swarmnode_swarm_unreachable_nodes{role}``: nodes whose event-bus peers all failed to dial
   them (the ``bus_reach`` card detail, ``node/status.py``);
-- ``swarmnode_swarm_card_info{peer_id,role,state,version}`` (= 1), ``swarmnode_swarm_card_age_seconds{peer_id}``
+- ``swarmnode_swarm_card_info{peer_id,role,state,version}`` (= 1), ``swarmnode_swarm_card_age_seconds{peer_id,role}``
   and ``swarmnode_swarm_card_detail{peer_id,role,detail}``: one series per node and numeric card
   detail (round, stage, iteration, reward, ...). These carry the peer ID on purpose: this is a
   census of a few hundred nodes at most (cards are capped at 16 details), not a hot series;
@@ -38,7 +39,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from node.config import installed_roles
 from node.lifecycle import State
 from node.status import bus_reach_hint
 
@@ -73,6 +73,7 @@ class _Node:
 
 @dataclass
 class _Snapshot:
+    run: str = ""
     nodes: dict[str, _Node] = field(default_factory=dict)
     at: float = 0.0
 
@@ -87,13 +88,14 @@ class SwarmCensus(Collector):
         self._joins: Counter = Counter()              # role -> n
         self._leaves: Counter = Counter()             # (role, how) -> n
         self._failures = 0
+        self._roles: set[str] = set()                 # every role seen since start
         self.active = False
 
     def describe(self) -> Iterable:
         return []
 
-    def update(self, views: list, now: float | None = None) -> None:
-        """A fresh read of the run's live cards (``node.card.read_cards``)."""
+    def update(self, run: str, views: list, now: float | None = None) -> None:
+        """A fresh read of run ``run``'s live cards (``node.card.read_cards``)."""
         now = time.time() if now is None else now
         nodes = {v.peer_id: _Node(role=v.card.role, state=v.card.state, version=v.card.version,
                                   age_s=max(0.0, now - v.card.published_at),
@@ -107,7 +109,8 @@ class SwarmCensus(Collector):
             for pid in before.keys() - nodes.keys():
                 gone = before[pid]
                 self._leaves[(gone.role, "drained" if gone.state in _GONE_DRAINED else "vanished")] += 1
-            self._snap = _Snapshot(nodes=nodes, at=now)
+            self._roles |= {n.role for n in nodes.values()}
+            self._snap = _Snapshot(run=run, nodes=nodes, at=now)
             self.active = True
 
     def failed(self) -> None:
@@ -118,41 +121,44 @@ class SwarmCensus(Collector):
     def collect(self) -> Iterable:
         with self._lock:
             snap, joins, leaves, failures = self._snap, Counter(self._joins), Counter(self._leaves), self._failures
-        roles = sorted(set(installed_roles()) | {n.role for n in snap.nodes.values()})
+            roles = sorted(self._roles)
+        run = snap.run
         by_state = Counter((n.role, n.state) for n in snap.nodes.values())
         nodes = GaugeMetricFamily("swarmnode_swarm_nodes", "Live node cards in the run by role and state.",
-                                  labels=["role", "state"])
+                                  labels=["run", "role", "state"])
         unreachable = GaugeMetricFamily("swarmnode_swarm_unreachable_nodes",
                                         "Nodes no event-bus peer could dial (card detail bus_reach 0/N).",
-                                        labels=["role"])
+                                        labels=["run", "role"])
         joined = CounterMetricFamily("swarmnode_swarm_joins", "Peer IDs that appeared in the run's cards.",
-                                     labels=["role"])
+                                     labels=["run", "role"])
         left = CounterMetricFamily("swarmnode_swarm_leaves", "Peer IDs whose card disappeared, by how: drained "
                                    "(last card draining/offline) or vanished (expired while joining/ready).",
-                                   labels=["role", "how"])
+                                   labels=["run", "role", "how"])
         for role in roles:
             for state in STATES:
-                nodes.add_metric([role, state], by_state[(role, state)])
-            unreachable.add_metric([role], sum(1 for n in snap.nodes.values() if n.role == role and n.unreachable))
-            joined.add_metric([role], joins[role])
+                nodes.add_metric([run, role, state], by_state[(role, state)])
+            unreachable.add_metric([run, role], sum(1 for n in snap.nodes.values() if n.role == role and n.unreachable))
+            joined.add_metric([run, role], joins[role])
             for how in ("drained", "vanished"):
-                left.add_metric([role, how], leaves[(role, how)])
+                left.add_metric([run, role, how], leaves[(role, how)])
         info = GaugeMetricFamily("swarmnode_swarm_card_info", "One series per live node card (value 1).",
-                                 labels=["peer_id", "role", "state", "version"])
+                                 labels=["run", "peer_id", "role", "state", "version"])
         age = GaugeMetricFamily("swarmnode_swarm_card_age_seconds", "Seconds since the node last published its card.",
-                                labels=["peer_id", "role"])
+                                labels=["run", "peer_id", "role"])
         detail = GaugeMetricFamily("swarmnode_swarm_card_detail",
                                    "Numeric role details of each node's card (round, stage, iteration, reward, ...).",
-                                   labels=["peer_id", "role", "detail"])
+                                   labels=["run", "peer_id", "role", "detail"])
         for pid, n in sorted(snap.nodes.items()):
-            info.add_metric([pid, n.role, n.state, n.version], 1)
-            age.add_metric([pid, n.role], round(n.age_s, 3))
+            info.add_metric([run, pid, n.role, n.state, n.version], 1)
+            age.add_metric([run, pid, n.role], round(n.age_s, 3))
             for key, value in sorted(n.details.items()):
-                detail.add_metric([pid, n.role, key], value)
-        stamp = GaugeMetricFamily("swarmnode_swarm_census_timestamp_seconds", "Unix time of the latest card read.")
-        stamp.add_metric([], snap.at)
-        fails = CounterMetricFamily("swarmnode_swarm_census_failures", "Card reads that failed (DHT busy or down).")
-        fails.add_metric([], failures)
+                detail.add_metric([run, pid, n.role, key], value)
+        stamp = GaugeMetricFamily("swarmnode_swarm_census_timestamp_seconds", "Unix time of the latest card read.",
+                                  labels=["run"])
+        stamp.add_metric([run], snap.at)
+        fails = CounterMetricFamily("swarmnode_swarm_census_failures", "Card reads that failed (DHT busy or down).",
+                                    labels=["run"])
+        fails.add_metric([run], failures)
         yield from (nodes, unreachable, joined, left, info, age, detail, stamp, fails)
 
 

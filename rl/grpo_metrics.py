@@ -61,3 +61,6 @@ for _reason in ("logit_check", "judge", "schema", "stale", "quota", "digest"):
     REJECTED.labels(reason=_reason)
 for _outcome in ("ok", "solo", "skipped"):
     ROUNDS.labels(outcome=_outcome)
+for _direction in ("sent", "received"):
+    WIRE_BYTES.labels(direction=_direction)
+    WIRE_TOKENS.labels(direction=_direction)

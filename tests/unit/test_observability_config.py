@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.deploy_tools import deploy_tool
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -168,12 +169,7 @@ def test_every_metric_in_panels_variables_and_rules_exists(gen, dashboards):
 # ---- Prometheus rules --------------------------------------------------------------------
 
 def promtool() -> str:
-    exe = shutil.which("promtool")
-    if exe is None:
-        if os.environ.get("SWARMNODE_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail("promtool is missing but SWARMNODE_REQUIRE_PROMETHEUS=1 (scripts/test.sh installs it)")
-        pytest.skip("promtool not installed (apt-get install prometheus); scripts/test.sh installs it in CI")
-    return exe
+    return deploy_tool("promtool", "prometheus")
 
 
 def run(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
