@@ -230,6 +230,7 @@ def run(quick: bool, out: Path, seeds: Sequence[int], rounds: int | None = None)
     if rounds:
         p["rounds"] = rounds
     t0 = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)           # before minutes of work, not after
     cache = str(Path(GRPOConfig().warmup_cache_dir).expanduser())   # deterministic: reused across runs
     workdir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     with ProcessPoolExecutor(2) as pool:
@@ -251,8 +252,8 @@ def run(quick: bool, out: Path, seeds: Sequence[int], rounds: int | None = None)
                          "grpo": GRPOConfig(**GRPO).model_dump(),
                          "transport": "DHT index + gRPC Fetch (real node processes on 127.0.0.1)"},
               "wall_s": round(time.monotonic() - t0, 1)}
+    out.write_text(json.dumps(result, indent=1))             # the figures first: a failing plot loses nothing
     result["plot"] = _plot(runs, out.with_suffix(".png"))
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
 

@@ -22,7 +22,8 @@ second). Its attributes:
   peers), ``swarm_settings(nodes) -> list[str]``: extra ``--set`` every node gets for a swarm
   of ``nodes`` workers (e.g. how many the coordinator waits for), ``SUMMARY_KEYS``: row keys
   whose mean over workers the summary (``--json``) adds, and ``DEMO_ORDER: int``: without
-  ``--role`` the demo with the lowest order runs (default 100);
+  ``--role`` the demo with the lowest order runs (default 100), and ``STEP_NAME: str``: what
+  one of its steps is called in the header line (default "inner steps");
 - optional ``PROGRESS_METRICS: dict[str, str]``: row key -> metric name (summed over its labels)
   for figures the role-neutral metrics lack (they override a default key of the same name),
   ``PROGRESS_COLUMNS: dict[str, str]``: label -> row key of the figures each progress line shows
@@ -194,7 +195,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"swarmnode demo: {exc}", file=sys.stderr)
             return 2
     print(f"swarmnode demo: bootstrap + {n} {role} node(s) on 127.0.0.1"
-          + (f", {steps} inner steps each" if training else ""), flush=True)
+          + (f", {steps} {getattr(demo, 'STEP_NAME', 'inner steps')} each" if training else ""), flush=True)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     workdir = tempfile.mkdtemp(prefix="swarmnode-demo-")  # kept: node logs stay readable afterwards

@@ -18,6 +18,9 @@ DEFAULT_STEPS = 60
 DEFAULT_NODES = 3
 """Peers (besides the bootstrap) when ``swarmnode demo`` gets no ``--nodes``."""
 
+STEP_NAME = "rounds"
+"""What one ``--steps`` unit is: a GRPO round (generate, exchange, one F-TIS update)."""
+
 SIZES = ((32, 2, 4), (48, 2, 4), (64, 3, 4))
 """(d_model, n_layers, n_heads) of peer i (cycled): heterogeneous models, one tokenizer."""
 
