@@ -45,7 +45,8 @@ def test_slow_worker_never_holds_up_fast_ones_and_still_pairs(tmp_path):
             swarm.stop(w, timeout=30)
         t_gone = time.time()
         n_before = len(events(slow, "averaging_round_done"))
-        wait_for(lambda: len(events(slow, "averaging_round_done")) >= n_before + 2, 60, "2 slow rounds alone")
+        # the first round after the stop may have begun while they were there; two more are alone
+        wait_for(lambda: len(events(slow, "averaging_round_done")) >= n_before + 3, 60, "3 slow rounds alone")
         slow_rounds = events(slow, "averaging_round_done")
         fast_rounds = {w.name: events(w, "averaging_round_done") for w in fast}
 
@@ -56,7 +57,11 @@ def test_slow_worker_never_holds_up_fast_ones_and_still_pairs(tmp_path):
             bounds_fast.append(r["wait_bound_s"])
             assert r["wait_bound_s"] <= 1.5, (name, r)  # a fraction of a ~2 s inner phase, far below 10 s
             assert r["blocked_s"] <= r["wait_bound_s"] + SLACK_S, (name, r)
-        assert sum(r["outcome"] == "ok" for r in rounds) >= len(rounds) // 3, (name, [r["outcome"] for r in rounds])
+        assert sum(r["outcome"] == "ok" for r in rounds) >= 2, (name, [r["outcome"] for r in rounds])
+    # three equal-pace workers: one is the odd one out at any moment, and which one it is moves
+    # (measured share of paired fast rounds: 0.44 and 0.75 in two runs alone)
+    fast_all = [r["outcome"] for rounds in fast_rounds.values() for r in rounds]
+    assert sum(o == "ok" for o in fast_all) >= len(fast_all) // 3, fast_all
 
     together = [r for r in slow_rounds if _ts(r) < t_gone]
     alone = [r for r in slow_rounds if _ts(r) > t_gone + 1.0][1:]  # skip a round whose wait began earlier
