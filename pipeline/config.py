@@ -70,7 +70,8 @@ class ScheduleConfig(BaseModel):
     expect_nodes: int = Field(0, ge=0)
     """The coordinator plans only once this many stage nodes (stage 0 included) publish cards
     (0 = as soon as every stage has a node). Set it to the swarm's size so the first schedule
-    already uses every replica instead of re-planning as each one arrives."""
+    already uses every replica instead of re-planning as each one arrives. Only the first plan
+    waits for it: after a lost stage the coordinator re-plans over whoever is live."""
 
     settle_s: float = Field(2.0, ge=0)
     """Stage membership must stay unchanged this long before the coordinator re-plans. Raise
@@ -98,6 +99,42 @@ class ScheduleConfig(BaseModel):
             raise ValueError(f"schedule settings do not form valid path rules: {exc}; "
                              "change stages or skip_ratio") from exc
         return self
+
+
+class CheckFreeConfig(BaseModel):
+    """``[stage.checkfree]``: how a lost stage is rebuilt (pipeline.md §3; pipeline/recovery.py)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    recover: bool = False
+    """Start as a replacement: this node holds no weights, asks the coordinator which stage
+    lost its nodes (`Schedule.Status` vacancy; `stage.index` is then ignored) and rebuilds it
+    (a live same-stage replica is copied, else the neighbours are averaged by their gradient
+    norms, else the CheckFree+ partner copied), then joins the schedule."""
+
+    lr_scale: float = Field(1.1, gt=0)
+    """A rebuilt stage restarts with a fresh AdamW at lr_scale x the configured LR (official: 1.1
+    for 124M/1.5B, 1.2 for 500M); always from the configured LR, so it never compounds."""
+
+    norm_power: float = Field(1.0, gt=0)
+    """p in w = |grad norm|^p + 1e-4 (the official code: 1)."""
+
+    norm: Literal["pre", "post"] = "pre"
+    """Which neighbour gradient norm weighs the average: before clipping (default) or after
+    (official HEAD; with both clipped at 1 the rule degrades to a midpoint)."""
+
+    plus: bool = False
+    """CheckFree+: an edge stage (1 or T) is rebuilt by copying its swap partner (2 or T-1).
+    Set the same on every node and give the schedule `checkfree_plus` so the partners see each
+    other's inputs."""
+
+    allow_edge_copy: bool = False
+    """Without CheckFree+, rebuild a lost edge stage by copying its neighbour (a larger loss
+    jump, logged as a WARN) instead of refusing."""
+
+    wait_s: float = Field(20.0, gt=0)
+    """How long a replacement waits for both neighbours to report the same completed iteration
+    (and for a vacancy) before it gives up with an error."""
 
 
 class StageConfig(BaseModel):
@@ -148,6 +185,9 @@ class StageConfig(BaseModel):
     max_activation_mb: float = Field(64.0, gt=0)
     """Largest tensor (activation, gradient or a replica's flat gradient) accepted on the
     pipeline stream, in MiB. Raise it for bigger models."""
+
+    checkfree: CheckFreeConfig = Field(default_factory=CheckFreeConfig)
+    """Recovery of lost stages (CheckFree / CheckFree+)."""
 
     iteration_timeout_s: float = Field(300.0, gt=0)
     """An iteration that makes no progress for this long is logged as stuck (with what it still

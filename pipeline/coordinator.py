@@ -11,6 +11,19 @@ with the next epoch; the `schedule_published` log event carries the schedule bod
 model it was planned on, so any run's schedule can be re-simulated or re-planned offline. `Schedule.Get` answers one epoch (0 = latest), `Schedule.Watch` streams
 every new one. Stage nodes validate again before use. The planning itself is pure
 (pipeline/search.py); this module is its glue to cards and gRPC.
+
+Liveness (CheckFree detection, pipeline.md §3, §5): every poll the coordinator also probes the
+standard gRPC health service of each node of the latest schedule (`LivenessProbe`). A node
+whose probe fails `DOWN_AFTER` times in a row (process gone: connection refused or timeout), or
+that answers NOT_SERVING after having served (draining), is taken out of the membership at
+once, without waiting for its card to expire; a card that expires or turns `draining` drops
+out the same way. A stage of the schedule left with no live node suspends the schedule: the
+`stage_down` event names it with the seconds from the last good probe (`detect_s`, also
+`swarmnode_checkfree_recovery_seconds{phase="detect"}`), `Schedule.Status` reports it
+(`suspended`, `missing_stages`, and `vacancy`: the stage a replacement should take), and the
+running nodes keep their state instead of timing out. When a replacement publishes its card
+the membership changes and the next plan resumes the run (`schedule_resumed`); the surviving
+nodes abort the interrupted iteration on that epoch (pipeline/stage_exec.py) and restart it.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ from typing import Any
 
 import grpc
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from node.card import CardView, card_int, read_cards
 from node.netem import LinkSpec, NetemConfig
 from pipeline.cluster import Cluster, comm_matrix
@@ -30,6 +45,7 @@ from pipeline.config import ScheduleConfig
 from pipeline.schedule import Schedule, ScheduleViolation, validate_schedule
 from pipeline.search import plan
 from pipeline.simulator import iteration_period
+from pipeline import stage_metrics as M
 from protocol import pipeline_pb2, pipeline_pb2_grpc
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
@@ -38,6 +54,9 @@ KEEP_EPOCHS = 8
 """Schedules kept for `Get(epoch)` (nodes finishing an iteration on an older epoch)."""
 
 STAGE_ROLE = "stage"
+DOWN_AFTER = 2
+"""Consecutive failed health probes (connection refused / timeout) that mark a node gone."""
+PROBE_TIMEOUT_S = 1.5
 
 
 def stage_members(views: list[CardView], stages: int) -> list[tuple]:
@@ -105,6 +124,62 @@ def plan_for(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, acti
     return validate_schedule(sched, cluster), cluster
 
 
+class LivenessProbe:
+    """Health probes of the scheduled nodes (`grpc.health.v1`, exempt from call signing)."""
+
+    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S, down_after: int = DOWN_AFTER):
+        self.timeout_s, self.down_after = timeout_s, down_after
+        self.fails: dict[str, int] = {}
+        self.served: set[str] = set()
+        self.last_ok: dict[str, float] = {}
+        self.down: dict[str, str] = {}          # peer ID -> why
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def _probe(self, peer_id: str, addr: str, now: float) -> None:
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                               timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.fails[peer_id] = self.fails.get(peer_id, 0) + 1
+                if self.fails[peer_id] >= self.down_after:
+                    self.down[peer_id] = f"unreachable ({exc.code().name})"
+            return
+        except Exception as exc:  # noqa: BLE001 - a probe never crashes the planner
+            log.debug("health probe of %s failed: %r", addr, exc)
+            return
+        self.fails[peer_id] = 0
+        self.last_ok[peer_id] = now
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            self.served.add(peer_id)
+        elif peer_id in self.served:
+            self.down[peer_id] = "not serving (draining)"
+
+    async def probe(self, members: list[tuple], now: float) -> None:
+        todo = [(m[0], m[2]) for m in members if m[2] and m[0] not in self.down]
+        await asyncio.gather(*(self._probe(p, a, now) for p, a in todo))
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+
+def stage_replicas(members: list[tuple], stages: int) -> dict[int, int]:
+    return {s: sum(1 for m in members if m[1] == s) for s in range(stages)}
+
+
+def pick_vacancy(replicas: dict[int, int]) -> int:
+    """The stage a replacement node should take: one with no live node first (lowest index),
+    else the transformer stage with the fewest nodes (it will copy a replica)."""
+    missing = [s for s, n in sorted(replicas.items()) if n == 0]
+    if missing:
+        return missing[0]
+    return min((s for s in replicas if s > 0), key=lambda s: (replicas[s], s), default=-1)
+
+
 class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
     """The bootstrap's schedule service (one per bootstrap node)."""
 
@@ -115,6 +190,11 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.waiting_reason = "no stage node has published its card yet"
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
+        self.probe = LivenessProbe()
+        self.live: list[tuple] = []             # live stage members at the last poll
+        self.scheduled: list[tuple] = []        # members of the latest published schedule
+        self.suspended_since: float | None = None
+        self.reported_down: set[int] = set()
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
@@ -128,16 +208,22 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             try:
                 views = await read_cards(self.ctx.membership.dht, self.ctx.config.run_id)
                 members = stage_members(views, self.cfg.stages)
+                if self.scheduled:
+                    planned_ids = {m[0] for m in self.scheduled}
+                    await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
+                members = [m for m in members if m[0] not in self.probe.down]
             except Exception as exc:  # noqa: BLE001 - the next poll retries
                 log.debug("reading cards failed: %r", exc)
                 await asyncio.sleep(self.poll_s)
                 continue
+            self.live = members
+            self._check_liveness(members, loop.time())
             if members != seen:
                 seen, since = members, loop.time()
             missing = [s for s in range(self.cfg.stages) if not any(m[1] == s for m in members)]
             if missing:
                 self.waiting_reason = f"stages {missing} have no node yet ({len(members)} stage nodes seen)"
-            elif len(members) < self.cfg.expect_nodes:
+            elif len(members) < self.cfg.expect_nodes and self.epoch == 0:   # only the first plan waits
                 self.waiting_reason = f"{len(members)} of the {self.cfg.expect_nodes} expected stage nodes are up"
             elif members != planned and loop.time() - since >= self.cfg.settle_s:
                 await self._plan(members)
@@ -158,6 +244,13 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         reply = pipeline_pb2.ScheduleReply(epoch=epoch, schedule_json=body,
                                            sha256=hashlib.sha256(body.encode()).hexdigest(),
                                            addrs={m[0]: m[2] for m in members})
+        if self.suspended_since is not None:
+            seconds = asyncio.get_running_loop().time() - self.suspended_since
+            log.info("schedule resumed on epoch %d after %.1f s suspended", epoch, seconds,
+                     extra={"event": "schedule_resumed", "epoch": epoch, "suspended_s": round(seconds, 3)})
+            self.suspended_since = None
+            self.reported_down.clear()
+        self.scheduled = list(members)
         async with self._changed:
             self.epoch = epoch
             self.replies[epoch] = reply
@@ -172,6 +265,46 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                         "expected_period": iteration_period(cluster, sched.paths, sched.partitions).period,
                         "cost_model": {"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
                                        "latency": cluster.latency, "grad_s": cluster.grad_s}})
+
+    def _check_liveness(self, members: list[tuple], now: float) -> None:
+        """A stage of the published schedule with no live node suspends it (logged once per stage)."""
+        if not self.scheduled:
+            return
+        replicas = stage_replicas(members, self.cfg.stages)
+        if not members:          # every stage node left at once: the run ended (or the coordinator is cut off)
+            if self.scheduled:
+                log.info("no stage node of schedule epoch %d is live any more", self.epoch,
+                         extra={"event": "pipeline_gone", "epoch": self.epoch})
+                self.scheduled = []
+            return
+        for s in sorted(s for s, n in replicas.items() if n == 0 and s not in self.reported_down):
+            lost = [m for m in self.scheduled if m[1] == s]
+            last_ok = max((self.probe.last_ok.get(m[0], now) for m in lost), default=now)
+            detect_s = max(0.0, now - last_ok)
+            self.reported_down.add(s)
+            self.suspended_since = self.suspended_since or now
+            M.RECOVERY_SECONDS.labels(phase="detect").observe(detect_s)
+            M.STAGES_DOWN.inc()
+            why = {m[0][:16]: self.probe.down.get(m[0], "card gone or draining") for m in lost}
+            log.warning("stage %d has no live node (%s): schedule epoch %d suspended until a replacement joins "
+                        "(start a `stage` node with stage.checkfree.recover=true)", s, why, self.epoch,
+                        extra={"event": "stage_down", "stage": s, "detect_s": round(detect_s, 3), "lost": why,
+                               "epoch": self.epoch,
+                               "adjacent_lost": sorted(x for x in (s - 1, s + 1) if replicas.get(x) == 0)})
+
+    def status(self) -> pipeline_pb2.ScheduleStatus:
+        replicas = stage_replicas(self.live, self.cfg.stages)
+        missing = [s for s, n in replicas.items() if n == 0]
+        suspended = bool(self.scheduled) and bool(missing)
+        return pipeline_pb2.ScheduleStatus(
+            epoch=self.epoch, suspended=suspended, missing_stages=missing,
+            live_stages=[s for s, n in replicas.items() if n > 0], vacancy=pick_vacancy(replicas),
+            reason=(f"stages {missing} have no live node" if suspended else self.waiting_reason if not self.scheduled
+                    else "running"), replicas=replicas)
+
+    async def Status(self, request, context):  # noqa: N802 - gRPC API
+        await self._check_run(request, context)
+        return self.status()
 
     async def _check_run(self, request, context) -> None:
         self._ensure_started()
@@ -221,4 +354,4 @@ def parse_reply(reply: pipeline_pb2.ScheduleReply) -> tuple[Schedule, dict[str, 
     return sched, dict(reply.addrs)
 
 
-__all__ = ["ScheduleCoordinator", "build_cluster", "fetch_schedule", "parse_reply", "plan_for", "stage_members"]
+__all__ = ["LivenessProbe", "ScheduleCoordinator", "pick_vacancy", "stage_replicas", "build_cluster", "fetch_schedule", "parse_reply", "plan_for", "stage_members"]

@@ -23,6 +23,13 @@ Message kinds (meta values are ints; `it` iteration, `ep` schedule epoch):
 - ``fin``  the run is over (sent by the evaluating origin after the final validation)
 
 Messages of a later iteration are kept until this node gets there; of an earlier one dropped.
+
+A newer schedule that drops a node of the running iteration's schedule (a lost stage or
+replica; CheckFree, pipeline.md §3.3 "in-flight iteration") aborts that iteration here
+(`maybe_abort`, from `add_schedule` or from a message of the newer epoch): its activations,
+deferred forwards, end-of-iteration marks and replica gradients are dropped and the gradients
+zeroed; no stage has stepped on it, so every node still holds W(t), and the origins restart it on
+the new epoch (an `Aborted` event). Messages of older epochs are dropped from then on.
 Replicas exchange whole flat gradients and sum them in ascending peer-ID order
 (node/averaging.py), so every replica of a stage takes bitwise the same step.
 """
@@ -49,6 +56,22 @@ FUTURE_ITERATIONS = 2
 RECORDS_KEPT = 64
 """Step records kept per node (CheckFree reads neighbours' norms of a recent common iteration)."""
 KINDS = ("fwd", "bwd", "eoi", "grad", "ev")
+
+
+def _members(sched: Schedule) -> set[str]:
+    return {sched.names[x] for g in sched.partitions for x in g}
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The running iteration was dropped because `new_epoch` no longer names `lost`; an origin
+    that had started it (`had_state`) starts it again on `new_epoch`."""
+
+    iteration: int
+    old_epoch: int
+    new_epoch: int
+    lost: tuple[str, ...]
+    had_state: bool
 
 
 @dataclass
@@ -98,6 +121,7 @@ class StageExecutor:
         self.schedules: dict[int, Schedule] = {}
         self.epoch = 0                   # epoch this origin uses for its next iteration
         self.latest_epoch = 0            # newest epoch the role knows of
+        self.floor_epoch = 0             # messages of older epochs belong to an aborted iteration
         self.iteration = 0               # = optimizer steps taken
         self._it: dict[int, _Iter] = {}
         self._future: list[Msg] = []
@@ -114,8 +138,34 @@ class StageExecutor:
         """Register a validated schedule (the role validates before calling)."""
         self.schedules[schedule.epoch] = schedule
         self.latest_epoch = max(self.latest_epoch, schedule.epoch)
-        if self.iteration == 0 and not self._it:   # before training: start on the newest
-            self.epoch = self.latest_epoch
+        if (self.iteration == 0 and not self._it) or self.epoch not in self.schedules:
+            self.epoch = self.latest_epoch     # before training (or a recovered node): start on the newest
+        else:
+            self.maybe_abort(schedule.epoch)
+
+    def _running_epoch(self) -> int:
+        st = self._it.get(self.iteration)
+        return st.epoch if st is not None and st.epoch is not None else self.epoch
+
+    def maybe_abort(self, epoch: int) -> bool:
+        """If schedule `epoch` drops a node of the running iteration's schedule, abort that
+        iteration (see the module docstring); True when it did."""
+        cur_ep = self._running_epoch()
+        new, cur = self.schedules.get(epoch), self.schedules.get(cur_ep)
+        if new is None or cur is None or epoch <= cur_ep:
+            return False
+        lost = _members(cur) - _members(new)
+        if not lost:
+            return False
+        st = self._it.pop(self.iteration, None)
+        self._future = [m for m in self._future if m.meta.get("ep", 0) >= epoch]
+        self.opt.zero_grad(set_to_none=True)
+        self.floor_epoch = epoch
+        self.epoch = max(self.epoch, epoch)
+        self.dropped["aborted_iteration"] += 1
+        self.events.append(Aborted(self.iteration, cur_ep, epoch, tuple(sorted(lost)),
+                                   st is not None and st.n_mine > 0))
+        return True
 
     def _idx(self, sched: Schedule, name: str) -> int | None:
         try:
@@ -216,6 +266,9 @@ class StageExecutor:
         if it < self.iteration:
             self.dropped["stale_iteration"] += 1
             return []
+        if msg.meta.get("ep", -1) < self.floor_epoch:
+            self.dropped["aborted_epoch"] += 1
+            return []
         if it > self.iteration:
             if it > self.iteration + FUTURE_ITERATIONS:
                 self.dropped["future_iteration"] += 1
@@ -235,6 +288,8 @@ class StageExecutor:
             if result is not None:
                 self.events.append(result)
             return outs
+        if it == self.iteration and sched.epoch > self._running_epoch():
+            self.maybe_abort(sched.epoch)
         st = self._state(it)
         if st.epoch is None:
             st.epoch = sched.epoch
@@ -491,4 +546,4 @@ class StageExecutor:
         return meta, weights, opt
 
 
-__all__ = ["BadInput", "EvalResult", "Msg", "OriginDone", "Out", "StageExecutor", "StepResult", "weights_sha256"]
+__all__ = ["Aborted", "BadInput", "EvalResult", "Msg", "OriginDone", "Out", "StageExecutor", "StepResult", "weights_sha256"]

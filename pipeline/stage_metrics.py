@@ -38,3 +38,26 @@ HOP_LINK_SECONDS = Counter("swarmnode_pipeline_hop_link_seconds_total",
 SEND_RETRIES = Counter("swarmnode_pipeline_send_retries_total",
                        "Failed attempts to deliver a pipeline message (each is retried on a fresh stream). If it "
                        "keeps rising, the peer named in the WARN log is unreachable.", registry=REGISTRY)
+
+# CheckFree (pipeline.md §3, §5): one histogram with a phase label. `detect` is observed by the
+# coordinator (bootstrap: last good health probe -> stage noticed down); `fetch` (downloading the
+# donors' state) and `apply` (averaging / copying, fresh optimizer) by the replacement node.
+RECOVERIES = Counter("swarmnode_checkfree_recoveries_total",
+                     "Stages rebuilt on this node, by rule (replica, average, copy_partner, copy_neighbour, "
+                     "checkpoint, nearest).", ["kind"], registry=REGISTRY)
+RECOVERY_SECONDS = Histogram("swarmnode_checkfree_recovery_seconds",
+                             "Seconds per recovery phase: detect (coordinator), fetch and apply (replacement node).",
+                             ["phase"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60), registry=REGISTRY)
+STAGES_DOWN = Counter("swarmnode_checkfree_stages_down_total",
+                      "Stages the coordinator found with no live node (the schedule was suspended).",
+                      registry=REGISTRY)
+ADJACENT_FAILURES = Counter("swarmnode_checkfree_adjacent_failures_total",
+                            "Recoveries that found a neighbouring stage lost too (no averaging with missing weights: "
+                            "checkpoint or nearest-stage fallback).", registry=REGISTRY)
+WEIGHTS_VERSION = Gauge("swarmnode_stage_weights_version",
+                        "Completed iteration the stage's weights belong to (steps taken; a recovered stage starts "
+                        "at its donors' iteration).", registry=REGISTRY)
+WEIGHTS_RECOVERED = Gauge("swarmnode_checkfree_weights_recovered_at",
+                          "Iteration at which this node's weights were last rebuilt by a recovery (-1 = never).",
+                          registry=REGISTRY)
+WEIGHTS_RECOVERED.set(-1)

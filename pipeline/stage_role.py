@@ -31,7 +31,15 @@ behind the bootstrap's `Schedule` service (pipeline/coordinator.py, hosted throu
   `WeightService.Fetch` (node/state_sync.py): replicas and recovering neighbours download it;
 - metrics (pipeline/stage_metrics.py) and one `stage_step` log line per step with the weight
   hash (replicas compare them), norms, visits, seconds and idle seconds; originators add
-  when their microbatches started and came back (`started_at`, `done_at`, unix seconds).
+  when their microbatches started and came back (`started_at`, `done_at`, unix seconds);
+- CheckFree (pipeline/recovery.py): with `stage.checkfree.recover` the node starts with no
+  stage, asks the coordinator which stage lost its nodes, rebuilds it from live peers
+  (`stage_recovered` event, `swarmnode_checkfree_*` metrics) and only then publishes its card,
+  so the coordinator's next plan resumes the run; a node whose running iteration's schedule is
+  replaced by one without a lost node aborts that iteration and (origins) restarts it on the new
+  epoch (`iteration_aborted`); while the coordinator reports the schedule suspended the
+  stuck-iteration watchdog waits instead of draining. A replacement that copied a live replica
+  re-fetches it at the first iteration it is asked to run (`replica_resync`).
 """
 
 from __future__ import annotations
@@ -61,7 +69,9 @@ from pipeline import stage_metrics as M
 from pipeline.config import ScheduleConfig, StageConfig
 from pipeline.coordinator import ScheduleCoordinator, fetch_schedule, parse_reply
 from pipeline.schedule import ScheduleViolation
-from pipeline.stage_exec import BadInput, EvalResult, OriginDone, StageExecutor, StepResult
+from pipeline.checkfree import RecoveryError
+from pipeline.recovery import Rebuilt, StageRecovery, apply_recovery, coordinator_status, load_adam_state
+from pipeline.stage_exec import Aborted, BadInput, EvalResult, OriginDone, StageExecutor, StepResult
 from pipeline.stage_timing import measure_forward_s
 from pipeline.stage_transport import StageTransport
 from protocol import pipeline_pb2, pipeline_pb2_grpc
@@ -128,17 +138,17 @@ class StageRole(RoleBase):
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         self.me = ctx.peer_id
-        self.module = build_stage(settings.model, self.cfg.seed, self.cfg.index, settings.schedule.stages,
-                                  self.cfg.stage0_layers)
-        self.opt = build_optimizer(self.module.parameters(), self.cfg.optim)
-        self.lr_sched = inner_lr_scheduler(self.opt, self.cfg.optim)
-        self.cfg_hash = stage_cfg_hash(settings)
+        self.recovering = self.cfg.checkfree.recover
+        self.module = self.opt = self.lr_sched = None
+        self.cfg_hash = ""
+        self.checkpointer: Checkpointer | None = None
+        if not self.recovering:
+            self._build(self.cfg.index)
         self.compute = Compute(self.name)
         self.net = StageTransport(run_id=ctx.config.run_id, me=self.me, netem=ctx.netem,
                                   max_tensor_bytes=int(self.cfg.max_activation_mb * 2 ** 20),
                                   send_timeout_s=self.cfg.iteration_timeout_s,
                                   on_reject=lambda reason: NM.TENSORS_REJECTED.labels(reason=reason).inc())
-        self.checkpointer = Checkpointer(ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
         self._snapshot: StateSnapshot | None = None
         self._corpus = None                    # stage 0: the loaded corpus (train stream, validation batches)
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
@@ -158,6 +168,22 @@ class StageRole(RoleBase):
         self._eval_t0: float | None = None
         self._origin_times: dict[int, list[float]] = {}
         self._done = False
+        self.rebuilt: Rebuilt | None = None
+        self._resync_stage: int | None = None   # replica copy: re-fetch at the first iteration asked to run
+
+    def _build(self, index: int) -> None:
+        """The stage's module, optimizer, LR schedule, cfg hash and checkpointer for `index`."""
+        self.cfg.index = index
+        self.module = build_stage(self.s.model, self.cfg.seed, index, self.s.schedule.stages, self.cfg.stage0_layers)
+        self.opt = build_optimizer(self.module.parameters(), self.cfg.optim)
+        self.lr_sched = inner_lr_scheduler(self.opt, self.cfg.optim)
+        self.cfg_hash = stage_cfg_hash(self.s)
+        self.checkpointer = Checkpointer(self.ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
+        if getattr(self, "state_servicer", None) is not None:
+            self.state_servicer.cfg_hash = self.cfg_hash
+
+    def _cfg_hash_of(self, index: int) -> str:
+        return stage_cfg_hash(self.s.model_copy(update={"stage": self.cfg.model_copy(update={"index": index})}))
 
     def services(self) -> list[Service]:
         return [Service(add_tensor_stream_to_server, self.net.service, "swarmnode.TensorStream"),
@@ -166,7 +192,8 @@ class StageRole(RoleBase):
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
         await self.ctx.set_role_ready(False, "role_init", "building the stage and waiting for a schedule")
-        M.STAGE_INDEX.set(self.cfg.index)
+        if not self.recovering:
+            M.STAGE_INDEX.set(self.cfg.index)
         for gauge in (NM.TRAIN_LOSS, NM.TRAIN_LOSS_INITIAL, NM.EVAL_LOSS, NM.EVAL_LOSS_INITIAL):
             gauge.set(math.nan)          # until this node has one: transformer stages never compute a loss
         self.ctx.supervisor.spawn("stage_main", self._main, restart=False)
@@ -189,6 +216,8 @@ class StageRole(RoleBase):
                                 clip=self.cfg.optim.clip_norm, eval_data=eval_data, delay=delay, device=device,
                                 scheduler=self.lr_sched, autocast=lambda: autocast(device, precision),
                                 emit=lambda outs: self._loop.call_soon_threadsafe(self.net.send, outs))
+        if self.rebuilt is not None:
+            self.ex.iteration = self.rebuilt.iteration
         self._take_snapshot()
         forward_s = measure_forward_s(self.module, self.s.data.batch_size, self.s.data.seq_len, self.s.model,
                                       device, lambda: autocast(device, precision))
@@ -244,6 +273,8 @@ class StageRole(RoleBase):
     async def _adopt(self, sched, addrs: dict[str, str]) -> None:
         self.net.addrs.update(addrs)
         await self.compute.run(self.ex.add_schedule, sched)
+        if any(isinstance(e, Aborted) for e in self.ex.events):
+            await self._after()
         log.info("schedule epoch %d adopted (%d paths, predicted %.3f s)", sched.epoch, len(sched.paths),
                  sched.expected_makespan, extra={"event": "schedule_adopted", "epoch": sched.epoch,
                                                  "expected_makespan": sched.expected_makespan,
@@ -258,14 +289,89 @@ class StageRole(RoleBase):
         except (ScheduleViolation, grpc.aio.AioRpcError) as exc:
             log.warning("could not fetch schedule epoch %d: %r", ep, exc)
 
+    async def _recover(self) -> None:
+        """Replacement start-up: learn the stage to take, rebuild it from live peers (CheckFree)."""
+        t0 = time.monotonic()
+        status = lambda: coordinator_status(self._coordinator_channel(), self.ctx.config.run_id)  # noqa: E731
+        cf = self.cfg.checkfree
+        build = lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages,  # noqa: E731
+                                      self.cfg.stage0_layers)
+        rec = StageRecovery(ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=cf, build=build,
+                            cfg_hash_of=self._cfg_hash_of, status=status, offload=self.compute.run)
+        await self.ctx.set_role_ready(False, "recovering", "asking the coordinator which stage to rebuild")
+        stage, st = await rec.vacancy()
+        log.info("taking stage %d (coordinator: %s)", stage, st.reason,
+                 extra={"event": "recovery_started", "stage": stage, "missing": list(st.missing_stages),
+                        "live": list(st.live_stages)})
+        rule = rec.decide(stage, st)
+        await self.compute.run(self._build, stage)
+        M.STAGE_INDEX.set(stage)
+        if rule.rule == "checkpoint":
+            raise RecoveryError("stage rebuild from a checkpoint is not wired into the live role: restart the run "
+                                "from the checkpoints (stage.checkpoint_every)")
+        self.rebuilt = r = await rec.rebuild(stage, rule)
+        t1 = time.monotonic()
+
+        def apply() -> None:
+            self.opt, self.lr_sched = apply_recovery(self.module, r, self.cfg.optim, self.cfg.checkfree.lr_scale)
+        await self.compute.run(apply)
+        apply_s = time.monotonic() - t1
+        M.RECOVERIES.labels(kind=r.rule).inc()
+        M.RECOVERY_SECONDS.labels(phase="fetch").observe(r.fetch_s)
+        M.RECOVERY_SECONDS.labels(phase="apply").observe(apply_s)
+        M.WEIGHTS_VERSION.set(r.iteration)
+        M.WEIGHTS_RECOVERED.set(r.iteration)
+        if r.rule == "replica":
+            self._resync_stage = stage
+        lr = self.opt.param_groups[0]["lr"]
+        log.info("stage %d rebuilt by %s from %s at iteration %d (lr %.3g)", stage, r.rule, r.donors, r.iteration, lr,
+                 extra={"event": "stage_recovered", "stage": stage, "rule": r.rule, "iteration": r.iteration,
+                        "donors": {str(k): v for k, v in r.donors.items()},
+                        "norms": {str(k): v for k, v in r.norms.items()}, "fetch_s": round(r.fetch_s, 3),
+                        "apply_s": round(apply_s, 3), "total_s": round(time.monotonic() - t0, 3), "lr": lr,
+                        "lr_base": self.opt.param_groups[0]["initial_lr"],
+                        "fresh_optimizer": r.optimizer is None, "warn": r.warn})
+
+    async def _resync(self, it: int) -> None:
+        """A replica copy joined at an older iteration: copy the replica again at `it`."""
+        stage, self._resync_stage = self._resync_stage, None
+        rec = StageRecovery(ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=self.cfg.checkfree,
+                            build=lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages,
+                                                        self.cfg.stage0_layers),
+                            cfg_hash_of=self._cfg_hash_of, status=None, offload=self.compute.run)
+        meta, w, opt, donor = await rec.fetch(stage, optimizer=True, min_iteration=it)
+        got = int(meta["iteration"])
+        r = Rebuilt(stage, "replica", got, w, opt, {stage: donor})
+
+        def apply() -> None:
+            self.opt, self.lr_sched = apply_recovery(self.module, r, self.cfg.optim, self.cfg.checkfree.lr_scale)
+            self.ex.opt, self.ex.sched, self.ex.iteration = self.opt, self.lr_sched, got
+            self._take_snapshot()
+        await self.compute.run(apply)
+        M.WEIGHTS_VERSION.set(got)
+        log.info("replica re-synced at iteration %d from %s", got, donor[:16],
+                 extra={"event": "replica_resync", "iteration": got, "asked": it})
+
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.recovering:
+            self.coordinator = await self._find_coordinator()
+            try:
+                await self._recover()
+            except RecoveryError as exc:
+                log.error("recovery failed: %s", exc, extra={"event": "recovery_failed"})
+                self._done = True
+                self.ctx.request_drain("recovery_failed")
+                return
         details = await self.compute.run(self._setup)
-        self.ctx.card.update(publish=True, stage=self.cfg.index, memory=self.s.schedule.memory, iteration=0,
+        self.ctx.card.update(publish=True, stage=self.cfg.index, memory=self.s.schedule.memory,
+                             iteration=self.ex.iteration,
                              **{CFG_HASH: self.cfg_hash}, **details)
+        M.WEIGHTS_VERSION.set(self.ex.iteration)
         log.info("stage %d built on %s (cfg_hash %s)", self.cfg.index, details["device_kind"], self.cfg_hash,
                  extra={"event": "stage_started", "stage": self.cfg.index, "cfg_hash": self.cfg_hash, **details})
-        self.coordinator = await self._find_coordinator()
+        if self.coordinator is None:
+            self.coordinator = await self._find_coordinator()
         self._tasks.append(asyncio.ensure_future(self._watch()))
         await self._have_schedule.wait()
         await self._settle()
@@ -317,6 +423,15 @@ class StageRole(RoleBase):
             ep = msg.meta.get("ep")
             if ep is not None and ep not in self.ex.schedules and msg.meta.get("it", -1) >= self.ex.iteration:
                 await self._fetch_epoch(ep)
+            if self._resync_stage is not None and msg.kind in ("fwd", "bwd", "eoi", "grad") \
+                    and msg.meta.get("it", -1) > self.ex.iteration:
+                try:
+                    await self._resync(msg.meta["it"])
+                except RecoveryError as exc:
+                    log.error("replica re-sync failed: %s", exc, extra={"event": "recovery_failed"})
+                    self._done = True
+                    self.ctx.request_drain("recovery_failed")
+                    return
             before = dict(self.ex.dropped)
             try:
                 outs = await self.compute.run(self.ex.handle, msg)
@@ -349,8 +464,23 @@ class StageRole(RoleBase):
                 await self._on_step(e)
             elif isinstance(e, EvalResult):
                 await self._on_eval(e)
+            elif isinstance(e, Aborted):
+                await self._on_abort(e)
             elif e == "fin":
                 await self._finish()
+
+    async def _on_abort(self, e: Aborted) -> None:
+        dropped = self.net.forget(e.lost)
+        log.warning("iteration %d aborted: schedule epoch %d drops %d node(s) of epoch %d; %s", e.iteration,
+                    e.new_epoch, len(e.lost), e.old_epoch,
+                    "restarting it" if e.had_state and self.cfg.index == 0 else "waiting for it to restart",
+                    extra={"event": "iteration_aborted", "iteration": e.iteration, "old_epoch": e.old_epoch,
+                           "new_epoch": e.new_epoch, "lost": [x[:16] for x in e.lost], "unsent_dropped": dropped})
+        self._last_step = time.monotonic()
+        M.SCHEDULE_EPOCH.set(self.ex.epoch)
+        sched = self.ex.schedules.get(self.ex.epoch)
+        if e.had_state and sched is not None and self.ex.is_origin(sched) and not self._done:
+            await self._start_iteration()
 
     async def _on_step(self, e: StepResult) -> None:
         now = time.monotonic()
@@ -359,6 +489,7 @@ class StageRole(RoleBase):
         M.ITERATION_SECONDS.observe(seconds)
         M.IDLE_FRACTION.set(min(1.0, idle / seconds) if seconds > 0 else 0.0)
         M.ITERATION.set(self.ex.iteration)
+        M.WEIGHTS_VERSION.set(self.ex.iteration)
         M.SCHEDULE_EPOCH.set(self.ex.epoch)
         for direction in ("forward", "backward"):
             have = M.MICROBATCHES.labels(direction=direction)._value.get()
@@ -441,6 +572,18 @@ class StageRole(RoleBase):
         while not self._done:
             await asyncio.sleep(min(5.0, self.cfg.iteration_timeout_s / 4))
             if time.monotonic() - self._last_step > self.cfg.iteration_timeout_s and not self._done:
+                try:
+                    st = await coordinator_status(self._coordinator_channel(), self.ctx.config.run_id)
+                except Exception as exc:  # noqa: BLE001 - no answer: treat as stuck
+                    st = None
+                    log.info("coordinator status unavailable: %r", exc)
+                if st is not None and st.suspended:
+                    log.warning("iteration %d waits: the coordinator suspended the schedule (%s); start a "
+                                "replacement with stage.checkfree.recover=true", self.ex.iteration, st.reason,
+                                extra={"event": "pipeline_suspended", "iteration": self.ex.iteration,
+                                       "missing": list(st.missing_stages)})
+                    self._last_step = time.monotonic()
+                    continue
                 log.error("iteration %d made no progress for %.0f s; waiting for: %s", self.ex.iteration,
                           self.cfg.iteration_timeout_s, self.ex.waiting_for(),
                           extra={"event": "pipeline_stuck", "iteration": self.ex.iteration})

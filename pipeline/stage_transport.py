@@ -78,6 +78,7 @@ class StageTransport:
         self.hops = HopStats()
         self.retries = 0
         self._queues: dict[str, asyncio.Queue] = {}
+        self._senders: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ outbound
@@ -91,8 +92,20 @@ class StageTransport:
             q = self._queues.get(o.dest)
             if q is None:
                 q = self._queues[o.dest] = asyncio.Queue()
-                self._tasks.append(asyncio.ensure_future(self._sender(o.dest, q)))
+                self._senders[o.dest] = asyncio.ensure_future(self._sender(o.dest, q))
             q.put_nowait((o, now))
+
+    def forget(self, dests) -> int:
+        """Stop delivering to `dests` (nodes a newer schedule dropped: lost, their iteration
+        aborted): their queued messages are discarded; returns how many."""
+        n = 0
+        for d in dests:
+            task, q = self._senders.pop(d, None), self._queues.pop(d, None)
+            if task is not None:
+                task.cancel()
+            if q is not None:
+                n += q.qsize()
+        return n
 
     async def flush(self, timeout: float) -> bool:
         """Wait until everything queued so far has been sent (False after `timeout` s)."""
@@ -196,7 +209,7 @@ class StageTransport:
             pass
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._senders.values()]:
             t.cancel()
         for stream in list(self.service.open_streams):
             stream.cancel()

@@ -1,0 +1,269 @@
+"""CheckFree recovery glue for the `stage` role (pipeline.md §3, §5): a replacement node rebuilds a
+lost stage from live peers.
+
+    swarmnode run --role stage --set stage.checkfree.recover=true --initial-peers …
+
+Owns what happens between "this node holds no weights" and "it can join the schedule":
+1. ask the coordinator (`Schedule.Status`, pipeline/coordinator.py) which stage has lost its
+   nodes (`vacancy`) and which stages still have live ones;
+2. pick the rule with `pipeline.checkfree.choose_recovery` (§3.3): a live same-stage replica is
+   copied (weights and optimizer state), an interior stage is the gradient-norm weighted average
+   of both neighbours, an edge stage under CheckFree+ copies its swap partner; two adjacent lost
+   stages are reported (`adjacent_failure` event, a metric) and rebuilt from a checkpoint when
+   one exists, else from the nearest surviving stages with a loud WARN; never from missing weights;
+3. download the donors' state over `WeightService.Fetch` (node/state_sync.py): both neighbours
+   must describe the same completed iteration t (their snapshots after step t; retried until
+   they agree or `stage.checkfree.wait_s` passes, then a loud failure);
+4. hand back the weights (renamed to this stage's parameter names: a neighbour's blocks carry
+   their own layer indices), the iteration t, the donors and the phase seconds. The role applies
+   them (`apply_recovery`): a replica's optimizer state is loaded as is; every other rule starts
+   a fresh AdamW at `lr_scale` x the configured LR (`pipeline.checkfree.fresh_optimizer`) with
+   the LR schedule rebuilt at step t from that scaled base.
+
+Transport and DHT reads are here; the rules themselves are pure (pipeline/checkfree.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from torch import nn
+
+from models.optim import InnerConfig, inner_lr_scheduler
+from node.card import read_cards
+from node.state_sync import StateFetchError, fetch_state, order_donors, split_optimizer
+from pipeline.checkfree import Recovery, RecoveryError, average_neighbours, choose_recovery, fresh_optimizer
+from pipeline.config import CheckFreeConfig
+from protocol import pipeline_pb2, pipeline_pb2_grpc
+
+log = logging.getLogger("swarmnode.stage.recovery")
+
+FETCH_TIMEOUT_S = 30.0
+RETRY_S = 0.5
+SUSPEND_WAIT_S = 10.0
+"""A replacement that finds no suspended stage waits this long for one before joining the
+least-replicated stage as a replica (detection takes a few seconds)."""
+
+
+@dataclass
+class Rebuilt:
+    """What a recovery produced: this stage's weights (its own parameter names) after iteration
+    `iteration`, and the donor optimizer state for a replica copy (None = fresh optimizer)."""
+
+    stage: int
+    rule: str
+    iteration: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor] | None
+    donors: dict[int, str]                           # stage -> donor peer ID
+    norms: dict[int, float] = field(default_factory=dict)
+    warn: str = ""
+    fetch_s: float = 0.0
+
+
+# ---------------------------------------------------------------------------------- pure helpers
+def param_spec(module: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {n: (torch.float32, tuple(p.shape)) for n, p in module.named_parameters()}
+
+
+def optimizer_spec(module: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The AdamW state tensors a stage snapshot serves (pipeline/stage_exec.py `snapshot`)."""
+    out = {}
+    for n, p in module.named_parameters():
+        out.update({f"{n}.exp_avg": (torch.float32, tuple(p.shape)), f"{n}.exp_avg_sq": (torch.float32, tuple(p.shape)),
+                    f"{n}.step": (torch.float32, ())})
+    return out
+
+
+def relabel(tensors: dict[str, torch.Tensor], theirs: list[str], mine: list[str]) -> dict[str, torch.Tensor]:
+    """A neighbour's parameters under this stage's names, by position (its blocks carry their own
+    global layer indices). Raises RecoveryError when the stages are not the same schema."""
+    if len(theirs) != len(mine):
+        raise RecoveryError(f"the donor stage has {len(theirs)} parameters, this stage {len(mine)}: stages of "
+                            "different depth cannot be averaged; recover from a replica or a checkpoint")
+    return {m: tensors[t] for t, m in zip(theirs, mine)}
+
+
+def load_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(weights[n].to(p.device, p.dtype))
+
+
+def load_adam_state(opt: torch.optim.Optimizer, module: nn.Module, flat: dict[str, torch.Tensor]) -> None:
+    """A replica's AdamW state (names `<param>.<key>`, as served) into `opt`."""
+    for n, p in module.named_parameters():
+        st = {k: flat[f"{n}.{k}"].to(p.device) for k in ("exp_avg", "exp_avg_sq")}
+        st["step"] = flat[f"{n}.step"].to(torch.float32).cpu().reshape(())
+        opt.state[p] = st
+
+
+def apply_recovery(module: nn.Module, r: Rebuilt, optim: InnerConfig, lr_scale: float):
+    """Load `r` into `module`; returns (optimizer, LR scheduler) positioned at step r.iteration.
+    A replica copy keeps the donor's AdamW state and LR; every other rule gets a fresh AdamW at
+    lr_scale x the configured LR (never compounding: always from `optim.lr`)."""
+    load_weights(module, r.weights)
+    params = list(module.parameters())
+    if r.optimizer is not None:
+        opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                weight_decay=optim.weight_decay)
+        load_adam_state(opt, module, r.optimizer)
+        return opt, inner_lr_scheduler(opt, optim, start_step=r.iteration)
+    opt = fresh_optimizer(params, optim.lr, lr_scale)
+    scaled = optim.model_copy(update={"lr": lr_scale * optim.lr})
+    return opt, inner_lr_scheduler(opt, scaled, start_step=r.iteration)
+
+
+def skeleton_names(build: Callable[[int], nn.Module], stage: int) -> list[str]:
+    """Parameter names of `stage`'s module, built on the meta device (no memory, no init cost)."""
+    with torch.device("meta"):
+        return [n for n, _ in build(stage).named_parameters()]
+
+
+# ---------------------------------------------------------------------------------- gRPC glue
+async def coordinator_status(channel: grpc.aio.Channel, run_id: str, timeout: float = 5.0):
+    stub = pipeline_pb2_grpc.ScheduleStub(channel)
+    return await stub.Status(pipeline_pb2.GetScheduleRequest(run_id=run_id), timeout=timeout)
+
+
+class StageRecovery:
+    """One replacement's recovery. `build(stage)` builds a stage module (any device), `cfg_hash_of(stage)`
+    is the cfg hash stage nodes of that index publish, `status()` returns `Schedule.Status`."""
+
+    def __init__(self, *, ctx, me: str, n_stages: int, cfg: CheckFreeConfig, build: Callable[[int], nn.Module],
+                 cfg_hash_of: Callable[[int], str], status, has_checkpoint: Callable[[int], bool] = lambda s: False,
+                 offload=None):
+        self.ctx, self.me, self.n_stages, self.cfg = ctx, me, n_stages, cfg
+        self.build, self.cfg_hash_of, self.status = build, cfg_hash_of, status
+        self.has_checkpoint, self.offload = has_checkpoint, offload
+        self.run_id = ctx.config.run_id
+
+    async def vacancy(self) -> tuple[int, object]:
+        """(stage to take, the coordinator's status) once the coordinator names one."""
+        t0 = time.monotonic()
+        deadline = t0 + max(self.cfg.wait_s, 60.0)
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                st = await self.status()
+                last = st
+                # a lost stage first; with none, join the least-replicated stage (a replica copy) only
+                # after SUSPEND_WAIT_S, so a replacement started at the failure does not race detection
+                patient = time.monotonic() - t0 < min(self.cfg.wait_s, SUSPEND_WAIT_S)
+                if st.vacancy >= 0 and st.epoch > 0 and (st.suspended or not patient):
+                    return st.vacancy, st
+            except grpc.aio.AioRpcError as exc:
+                log.info("coordinator status not available yet: %s", exc.details())
+            await asyncio.sleep(RETRY_S)
+        raise RecoveryError(f"the coordinator named no stage to take (last status: {last}); start the replacement "
+                            "once a schedule runs")
+
+    def decide(self, stage: int, status) -> Recovery:
+        alive = set(status.live_stages)
+        replicas = dict(status.replicas)
+        r = choose_recovery(stage, self.n_stages - 1, alive, replica_alive=replicas.get(stage, 0) > 0,
+                            plus=self.cfg.plus, allow_edge_copy=self.cfg.allow_edge_copy,
+                            has_checkpoint=self.has_checkpoint(stage))
+        lost_adjacent = sorted(s for s in (stage - 1, stage + 1) if 0 < s < self.n_stages and s not in alive)
+        if lost_adjacent and r.rule not in ("replica",):
+            log.error("stage %d and its neighbour(s) %s are lost together: %s", stage, lost_adjacent,
+                      "restoring the newest checkpoint" if r.rule == "checkpoint" else
+                      f"rule {r.rule} from stages {r.sources} (no averaging with missing weights)",
+                      extra={"event": "adjacent_failure", "stage": stage, "lost": lost_adjacent, "rule": r.rule})
+        return r
+
+    async def _donor_views(self, stage: int):
+        views = await read_cards(self.ctx.membership.dht, self.run_id)
+        return order_donors(views, role="stage", cfg_hash=self.cfg_hash_of(stage), progress_key="iteration",
+                            exclude=self.me)
+
+    async def fetch(self, stage: int, *, optimizer: bool, min_iteration: int = 0):
+        """(meta, weights under `stage`'s own names, optimizer or None, donor peer ID) from a live
+        node of `stage`; tries each candidate (dead cards fail fast) until `wait_s` passes."""
+        me_names = None
+        spec_mod = None
+        deadline = time.monotonic() + self.cfg.wait_s
+        errors: list[str] = []
+        while True:
+            for v in await self._donor_views(stage):
+                if spec_mod is None:
+                    with torch.device("meta"):
+                        spec_mod = self.build(stage)
+                    me_names = [n for n, _ in spec_mod.named_parameters()]
+                try:
+                    meta, tensors = await fetch_state(
+                        v.card.grpc_addr, self.run_id, self.me, self.cfg_hash_of(stage), param_spec(spec_mod),
+                        optimizer=optimizer_spec(spec_mod) if optimizer else None, stage=stage,
+                        timeout=FETCH_TIMEOUT_S, offload=self.offload, peer_id=v.peer_id)
+                except StateFetchError as exc:
+                    errors.append(str(exc))
+                    continue
+                if int(meta.get("iteration", -1)) < min_iteration:
+                    errors.append(f"{v.peer_id[:16]} is at iteration {meta.get('iteration')} < {min_iteration}")
+                    continue
+                weights, opt = split_optimizer(tensors)
+                return meta, {n: weights[n] for n in me_names}, (opt if optimizer else None), v.peer_id
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no live node of stage {stage} served its state within {self.cfg.wait_s:.0f} s "
+                                    f"({errors[-3:]}); check that stage's nodes")
+            await asyncio.sleep(RETRY_S)
+
+    async def rebuild(self, stage: int, r: Recovery) -> Rebuilt:
+        mine = skeleton_names(self.build, stage)
+        t0 = time.monotonic()
+        if r.rule == "replica":
+            meta, w, opt, donor = await self.fetch(stage, optimizer=True)
+            out = Rebuilt(stage, "replica", int(meta["iteration"]), w, opt, {stage: donor})
+        elif r.rule in ("average", "nearest") and len(r.sources) == 2:
+            out = await self._average(stage, r, mine)
+        elif r.rule in ("copy_partner", "copy_neighbour", "nearest", "embed_copy"):
+            src = r.sources[0]
+            if src == 0 or stage == 0:
+                raise RecoveryError("stage 0 (embedding and head) cannot be rebuilt by the live role yet: restart "
+                                    "the run from a checkpoint")
+            meta, w, _, donor = await self.fetch(src, optimizer=False)
+            out = Rebuilt(stage, r.rule, int(meta["iteration"]), relabel(w, skeleton_names(self.build, src), mine),
+                          None, {src: donor}, {src: float(meta.get("grad_norm", "nan"))}, warn=r.warn)
+        else:
+            raise RecoveryError(f"rule {r.rule!r} for stage {stage} is handled by the caller (checkpoint)")
+        out.fetch_s = time.monotonic() - t0
+        if r.warn:
+            log.warning("%s", r.warn, extra={"event": "recovery_warning", "stage": stage, "rule": r.rule})
+        return out
+
+    async def _average(self, stage: int, r: Recovery, mine: list[str]) -> Rebuilt:
+        """Both sources at the same completed iteration (P18), then the weighted average (P17)."""
+        left, right = r.sources
+        deadline = time.monotonic() + self.cfg.wait_s
+        key = "grad_norm" if self.cfg.norm == "pre" else "grad_norm_clipped"
+        floor = 0
+        while True:
+            (ml, wl, _, dl), (mr, wr, _, dr) = await asyncio.gather(
+                self.fetch(left, optimizer=False, min_iteration=floor),
+                self.fetch(right, optimizer=False, min_iteration=floor))
+            il, ir = int(ml["iteration"]), int(mr["iteration"])
+            if il == ir:
+                break
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"stages {left} and {right} stayed at different iterations ({il}, {ir}) for "
+                                    f"{self.cfg.wait_s:.0f} s: cannot average; check those stages' logs")
+            floor = max(il, ir)
+            await asyncio.sleep(RETRY_S)
+        nl, nr = float(ml.get(key, "nan")), float(mr.get(key, "nan"))
+        if il == 0:      # no step yet: no norms; the midpoint
+            nl = nr = 0.0
+        weights = average_neighbours(relabel(wl, skeleton_names(self.build, left), mine),
+                                     relabel(wr, skeleton_names(self.build, right), mine),
+                                     left_norm=nl, right_norm=nr, left_iteration=il, right_iteration=ir,
+                                     power=self.cfg.norm_power)
+        return Rebuilt(stage, r.rule, il, weights, None, {left: dl, right: dr}, {left: nl, right: nr}, warn=r.warn)
+
+
+__all__ = ["Rebuilt", "StageRecovery", "apply_recovery", "coordinator_status", "load_adam_state", "optimizer_spec",
+           "param_spec", "relabel"]

@@ -1,0 +1,165 @@
+"""CheckFree in the live role, the pure parts: the executor aborts an iteration whose schedule lost
+a node and restarts it cleanly (pipeline.md §3.3 "in-flight iteration"); the coordinator's vacancy;
+the recovery helpers (renaming a neighbour's blocks, applying a rebuild: fresh optimizer at the
+scaled LR, a replica's AdamW state as is)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from models.config import ModelConfig
+from models.optim import InnerConfig
+from models.stages import build_stage
+from pipeline.checkfree import average_neighbours
+from pipeline.coordinator import pick_vacancy, stage_replicas
+from pipeline.recovery import Rebuilt, apply_recovery, optimizer_spec, relabel
+from pipeline.schedule import Schedule
+from pipeline.stage_exec import Aborted, Msg, StageExecutor, weights_sha256
+from tests.unit.test_stage_exec import CFG, LR, S, SEED, RecordingSGD, _nodes, _run_iteration, _skip_schedule
+
+REPLACEMENT = "peer08"
+
+
+def _without_stage2(sched: Schedule) -> Schedule:
+    """The same paths with stage 2's two nodes replaced by one new node (epoch 2)."""
+    new = len(sched.names)
+    parts = tuple((new,) if s == 2 else g for s, g in enumerate(sched.partitions))
+    paths = tuple(tuple(new if sched.stage_of(x) == 2 else x for x in p) for p in sched.paths)
+    return replace(sched, partitions=parts, paths=paths, epoch=2, names=(*sched.names, REPLACEMENT))
+
+
+def _replacement(donor: StageExecutor) -> StageExecutor:
+    mod = build_stage(CFG, SEED, 2, S)
+    mod.load_state_dict(donor.module.state_dict())
+    opt = RecordingSGD(mod.parameters(), LR)
+    ex = StageExecutor(REPLACEMENT, 2, mod, opt, memory=3, clip=1.0)
+    opt.ex = ex
+    ex.iteration = donor.iteration
+    return ex
+
+
+def test_a_lost_node_aborts_the_running_iteration_which_restarts_without_residue():
+    sched = _skip_schedule()
+    sched2 = _without_stage2(sched)
+    test, control = _nodes(sched), _nodes(sched)
+    for nodes in (test, control):
+        _run_iteration(nodes, sched)
+    # test: iteration 1 starts on epoch 1 and stage 2's nodes die at once: the microbatches that skip
+    # stage 2 go all the way (gradients accumulate elsewhere), the others stop at the dead nodes
+    dead = [sched.names[x] for x in sched.partitions[2]]
+    queue = []
+    for x in sched.origins:
+        ex = test[sched.names[x]]
+        early = []
+        ex.emit = early.extend
+        queue += [(ex.me, o) for o in early + ex.start_iteration()]
+    for ex in test.values():
+        ex.emit = None
+    lost_msgs = []
+    while queue:
+        src, o = queue.pop(0)
+        if o.dest in dead:
+            lost_msgs.append((src, o))
+            continue
+        queue += [(o.dest, new) for new in test[o.dest].handle(Msg(o.kind, src, o.meta, o.tensor))]
+    assert lost_msgs and any(p.grad is not None for ex in test.values() for p in ex.module.parameters())
+    assert all(ex.iteration == 1 for ex in test.values())
+    repl_t, repl_c = _replacement(test[dead[0]]), _replacement(control[dead[0]])
+    stale = [(src, o) for src, o in lost_msgs]
+    for nodes, repl in ((test, repl_t), (control, repl_c)):
+        for name in dead:
+            del nodes[name]
+        nodes[REPLACEMENT] = repl
+        repl.add_schedule(sched)
+        repl.add_schedule(sched2)
+    for x in sched.origins:                                  # the control never started iteration 1:
+        for _ in range(len(sched.path_ids(x))):              # skip the same batches the test consumed
+            control[sched.names[x]].data()
+    for name, ex in test.items():
+        if name == REPLACEMENT:
+            continue
+        ex.add_schedule(sched2)
+        aborted = [e for e in ex.events if isinstance(e, Aborted)]
+        assert len(aborted) == 1 and aborted[0].iteration == 1 and aborted[0].new_epoch == 2, (name, aborted)
+        assert set(aborted[0].lost) == set(dead)
+        assert aborted[0].had_state == (ex.stage == 0)
+        assert ex.epoch == 2 and ex.floor_epoch == 2 and 1 not in ex._it
+        assert all(p.grad is None for p in ex.module.parameters()), "the aborted iteration left gradients"
+    for name, ex in control.items():
+        if name != REPLACEMENT:
+            ex.add_schedule(sched2)
+    # the aborted iteration's messages still arrive (re-sent to the replacement): dropped and counted
+    for src, o in stale:
+        assert repl_t.handle(Msg(o.kind, src, o.meta, o.tensor)) == []
+    assert repl_t.dropped["aborted_epoch"] == len(stale)
+    # the origins restart iteration 1 on epoch 2; it completes with one step per node
+    for nodes in (test, control):
+        _run_iteration(nodes, sched2)
+    for name in test:
+        assert test[name].iteration == 2 == control[name].iteration
+        if name != REPLACEMENT:
+            assert test[name].opt.steps == 2
+        for (n, p), (_, q) in zip(test[name].module.named_parameters(), control[name].module.named_parameters()):
+            torch.testing.assert_close(p, q, atol=0, rtol=0, msg=f"{name} {n}: the aborted iteration left a trace")
+
+
+def test_a_replanned_join_without_a_lost_node_does_not_abort():
+    sched = _skip_schedule()
+    nodes = _nodes(sched)
+    _run_iteration(nodes, sched)
+    again = replace(sched, epoch=2)
+    for ex in nodes.values():
+        ex.add_schedule(again)
+        assert not [e for e in ex.events if isinstance(e, Aborted)] and ex.floor_epoch == 0
+
+
+def test_vacancy_prefers_a_lost_stage_then_the_least_replicated():
+    members = [("a", 0), ("b", 1), ("c", 3), ("d", 3), ("e", 1)]
+    members = [(p, s, "", None, None, None) for p, s in members]
+    reps = stage_replicas(members, 4)
+    assert reps == {0: 1, 1: 2, 2: 0, 3: 2}
+    assert pick_vacancy(reps) == 2
+    assert pick_vacancy({0: 1, 1: 2, 2: 1, 3: 1}) == 2
+    assert pick_vacancy({0: 0, 1: 1, 2: 1}) == 0
+
+
+def test_relabel_averages_neighbours_by_position_and_apply_resets_the_optimizer():
+    cfg = ModelConfig(d_model=16, n_layers=3, n_heads=2, max_seq_len=16)
+    left, mid, right = (build_stage(cfg, seed, s, 4) for seed, s in ((1, 1), (2, 2), (3, 3)))
+    names = [n for n, _ in mid.named_parameters()]
+    lw = relabel(dict(left.named_parameters()), [n for n, _ in left.named_parameters()], names)
+    rw = relabel(dict(right.named_parameters()), [n for n, _ in right.named_parameters()], names)
+    avg = average_neighbours({k: v.detach() for k, v in lw.items()}, {k: v.detach() for k, v in rw.items()},
+                             left_norm=1.0, right_norm=1.0, left_iteration=5, right_iteration=5)
+    optim = InnerConfig(lr=0.01, warmup=0, total_steps=100)
+    r = Rebuilt(2, "average", 5, avg, None, {1: "x", 3: "y"})
+    opt, sched = apply_recovery(mid, r, optim, 1.2)
+    for n, p in mid.named_parameters():
+        torch.testing.assert_close(p.detach(), (lw[n].detach() + rw[n].detach()) / 2, atol=1e-7, rtol=0)
+    assert opt.param_groups[0]["initial_lr"] == 1.2 * 0.01 and not opt.state
+    assert sched.last_epoch == 5 and opt.param_groups[0]["weight_decay"] == 0.0
+    # a second recovery does not compound the scale
+    opt2, _ = apply_recovery(mid, r, optim, 1.2)
+    assert opt2.param_groups[0]["initial_lr"] == 1.2 * 0.01
+
+
+def test_a_replica_copy_keeps_the_donor_optimizer_state():
+    cfg = ModelConfig(d_model=16, n_layers=3, n_heads=2, max_seq_len=16)
+    donor, joiner = build_stage(cfg, 1, 2, 4), build_stage(cfg, 9, 2, 4)
+    dopt = torch.optim.AdamW(donor.parameters(), lr=0.01)
+    donor(torch.randn(2, 8, 16)).square().mean().backward()
+    dopt.step()
+    flat = {}
+    for n, p in donor.named_parameters():
+        for k, v in dopt.state[p].items():
+            flat[f"{n}.{k}"] = v.detach().float().reshape(v.shape)
+    assert set(flat) == set(optimizer_spec(donor))
+    r = Rebuilt(2, "replica", 1, {n: p.detach().clone() for n, p in donor.named_parameters()}, flat, {2: "x"})
+    opt, _ = apply_recovery(joiner, r, InnerConfig(lr=0.01, warmup=0, total_steps=100), 1.2)
+    assert weights_sha256(joiner) == weights_sha256(donor)
+    assert opt.param_groups[0]["initial_lr"] == 0.01
+    for (n, p), q in zip(joiner.named_parameters(), donor.parameters()):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], dopt.state[q]["exp_avg"], atol=0, rtol=0)
+        assert float(opt.state[p]["step"]) == 1.0
