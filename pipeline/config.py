@@ -77,6 +77,13 @@ class ScheduleConfig(BaseModel):
     """Stage membership must stay unchanged this long before the coordinator re-plans. Raise
     it when nodes join in bursts; each re-plan bumps the epoch."""
 
+    checkfree_plus: bool = False
+    """CheckFree+ (pipeline.md §3.2): every odd microbatch of each data node visits transformer
+    stages 1 and 2 swapped, and the last two swapped, so each edge stage's partner learns to
+    stand in for it and a lost edge stage is rebuilt by copying the partner. Needs stages >= 5;
+    the published schedule's rules allow the two swaps (pipeline/schedule.py
+    `checkfree_plus_paths`). Set `stage.checkfree.plus` on the stage nodes too."""
+
     compute_s: float = Field(0.05, gt=0)
     """Forward seconds per stage assumed for a node whose card gives no `compute_s`. Only the
     ratios matter to the search."""
@@ -93,6 +100,8 @@ class ScheduleConfig(BaseModel):
 
     @model_validator(mode="after")
     def _rules_valid(self) -> "ScheduleConfig":
+        if self.checkfree_plus and self.stages < 5:
+            raise ValueError(f"schedule.checkfree_plus needs stages >= 5 (4 transformer stages), got {self.stages}")
         try:
             self.rules()
         except ValueError as exc:
@@ -111,6 +120,10 @@ class CheckFreeConfig(BaseModel):
     lost its nodes (`Schedule.Status` vacancy; `stage.index` is then ignored) and rebuilds it
     (a live same-stage replica is copied, else the neighbours are averaged by their gradient
     norms, else the CheckFree+ partner copied), then joins the schedule."""
+
+    standby: bool = False
+    """With `recover`: a hot spare. Wait (without a stage, unplanned) until the coordinator reports
+    a stage with no live node and rebuild that one; never join a live stage as a replica."""
 
     lr_scale: float = Field(1.1, gt=0)
     """A rebuilt stage restarts with a fresh AdamW at lr_scale x the configured LR (official: 1.1
@@ -181,6 +194,12 @@ class StageConfig(BaseModel):
     """Write this node's weights and optimizer state to `state_dir` every this many iterations
     (node/checkpoint.py, the last 2 kept); 0 = only when `iterations` ends the run. The final
     files are what `benchmarks/skippipe.py` reads the trained stages from."""
+
+    checkpoint_dir: str = ""
+    """A directory every stage node can read (a shared volume): with it, checkpoints go to
+    `<checkpoint_dir>/stage-<index>/<peer ID>/` instead of `state_dir`, and a replacement
+    rebuilding a stage whose neighbour is lost too restores that stage's newest checkpoint there
+    (CheckFree's fallback, pipeline.md §3.3). Set `checkpoint_every` with it."""
 
     max_activation_mb: float = Field(64.0, gt=0)
     """Largest tensor (activation, gradient or a replica's flat gradient) accepted on the

@@ -42,7 +42,7 @@ from node.card import CardView, card_int, read_cards
 from node.netem import LinkSpec, NetemConfig
 from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
-from pipeline.schedule import Schedule, ScheduleViolation, validate_schedule
+from pipeline.schedule import Schedule, ScheduleViolation, checkfree_plus_paths, validate_schedule
 from pipeline.search import plan
 from pipeline.simulator import iteration_period
 from pipeline import stage_metrics as M
@@ -121,6 +121,8 @@ def plan_for(members: list[tuple], cfg: ScheduleConfig, netem: NetemConfig, acti
     partition = tuple(tuple(i for i, m in enumerate(members) if m[1] == s) for s in range(cfg.stages))
     sched = plan(cluster, partition, cfg.rules(), cfg.mb_per_origin, method=cfg.method, seed=cfg.seed,
                  time_budget_s=cfg.time_budget_s, epoch=epoch)
+    if cfg.checkfree_plus:
+        sched = checkfree_plus_paths(sched)
     return validate_schedule(sched, cluster), cluster
 
 
@@ -171,10 +173,11 @@ def stage_replicas(members: list[tuple], stages: int) -> dict[int, int]:
     return {s: sum(1 for m in members if m[1] == s) for s in range(stages)}
 
 
-def pick_vacancy(replicas: dict[int, int]) -> int:
-    """The stage a replacement node should take: one with no live node first (lowest index),
-    else the transformer stage with the fewest nodes (it will copy a replica)."""
-    missing = [s for s, n in sorted(replicas.items()) if n == 0]
+def pick_vacancy(replicas: dict[int, int], claimed: set[int] | frozenset = frozenset()) -> int:
+    """The stage a replacement node should take: one with no live node that no other replacement
+    has claimed first (lowest index), else the transformer stage with the fewest nodes (it will
+    copy a replica)."""
+    missing = [s for s, n in sorted(replicas.items()) if n == 0 and s not in claimed]
     if missing:
         return missing[0]
     return min((s for s in replicas if s > 0), key=lambda s: (replicas[s], s), default=-1)
@@ -192,6 +195,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self._task: asyncio.Task | None = None
         self.probe = LivenessProbe()
         self.live: list[tuple] = []             # live stage members at the last poll
+        self.claims: set[int] = set()           # stages replacements are rebuilding (card detail `recovering`)
         self.scheduled: list[tuple] = []        # members of the latest published schedule
         self.suspended_since: float | None = None
         self.reported_down: set[int] = set()
@@ -217,6 +221,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                 await asyncio.sleep(self.poll_s)
                 continue
             self.live = members
+            self.claims = {c for v in views if v.card.role == STAGE_ROLE and card_int(v, "stage") is None
+                           and v.card.state in ("joining", "ready") and (c := card_int(v, "recovering")) is not None}
             self._check_liveness(members, loop.time())
             if members != seen:
                 seen, since = members, loop.time()
@@ -298,7 +304,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         suspended = bool(self.scheduled) and bool(missing)
         return pipeline_pb2.ScheduleStatus(
             epoch=self.epoch, suspended=suspended, missing_stages=missing,
-            live_stages=[s for s, n in replicas.items() if n > 0], vacancy=pick_vacancy(replicas),
+            live_stages=[s for s, n in replicas.items() if n > 0], vacancy=pick_vacancy(replicas, self.claims),
+            down_stages=sorted(self.reported_down), claimed_stages=sorted(self.claims),
             reason=(f"stages {missing} have no live node" if suspended else self.waiting_reason if not self.scheduled
                     else "running"), replicas=replicas)
 

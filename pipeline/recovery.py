@@ -30,13 +30,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
 from torch import nn
 
 from models.optim import InnerConfig, inner_lr_scheduler
-from node.card import read_cards
+from node.card import card_int, read_cards
+from node.checkpoint import CheckpointError, Checkpointer
 from node.state_sync import StateFetchError, fetch_state, order_donors, split_optimizer
 from pipeline.checkfree import Recovery, RecoveryError, average_neighbours, choose_recovery, fresh_optimizer
 from pipeline.config import CheckFreeConfig
@@ -65,6 +67,7 @@ class Rebuilt:
     norms: dict[int, float] = field(default_factory=dict)
     warn: str = ""
     fetch_s: float = 0.0
+    checkpoint: dict | None = None                   # rule "checkpoint": the file's state (optimizer too)
 
 
 # ---------------------------------------------------------------------------------- pure helpers
@@ -110,6 +113,11 @@ def apply_recovery(module: nn.Module, r: Rebuilt, optim: InnerConfig, lr_scale: 
     lr_scale x the configured LR (never compounding: always from `optim.lr`)."""
     load_weights(module, r.weights)
     params = list(module.parameters())
+    if r.checkpoint is not None:           # weights and AdamW state as written; the LR schedule at the run's step
+        opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                weight_decay=optim.weight_decay)
+        opt.load_state_dict(r.checkpoint["parts"]["optimizer"])
+        return opt, inner_lr_scheduler(opt, optim, start_step=r.iteration)
     if r.optimizer is not None:
         opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                 weight_decay=optim.weight_decay)
@@ -118,6 +126,37 @@ def apply_recovery(module: nn.Module, r: Rebuilt, optim: InnerConfig, lr_scale: 
     opt = fresh_optimizer(params, optim.lr, lr_scale)
     scaled = optim.model_copy(update={"lr": lr_scale * optim.lr})
     return opt, inner_lr_scheduler(opt, scaled, start_step=r.iteration)
+
+
+def stage_checkpoint_dir(root: str | Path, stage: int) -> Path:
+    return Path(root).expanduser() / f"stage-{stage}"
+
+
+def newest_checkpoint(root: str | Path, stage: int, fmt: str, cfg_hash: str) -> dict | None:
+    """The newest readable checkpoint of `stage` under `<root>/stage-<s>/<peer>/` (any replica's;
+    by iteration), as `Checkpointer.read` returns it, or None."""
+    best = None
+    base = stage_checkpoint_dir(root, stage)
+    if not base.is_dir():
+        return None
+    for sub in sorted(p for p in base.iterdir() if p.is_dir()):
+        try:
+            state = Checkpointer(sub, fmt, cfg_hash).read(required=("stage", "optimizer"))
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint in %s: %s", sub, exc)
+            continue
+        if state is not None and (best is None or state["meta"].get("iteration", -1) > best["meta"].get("iteration", -1)):
+            best = state
+    return best
+
+
+def rebuilt_from_checkpoint(state: dict, stage: int, iteration: int) -> Rebuilt:
+    """A stage from its checkpoint (weights and AdamW state as written), joining at the survivors'
+    `iteration`; `norms` records the checkpoint's age in iterations under key -1."""
+    weights = {n: t.float() for n, t in state["parts"]["stage"].items()}
+    return Rebuilt(stage, "checkpoint", iteration, weights, None, {}, {-1: float(iteration - state["meta"]["iteration"])},
+                   warn=f"stage {stage} restored from {state['path']} (iteration {state['meta']['iteration']}, "
+                        f"{iteration - state['meta']['iteration']} iterations old)", checkpoint=state)
 
 
 def skeleton_names(build: Callable[[int], nn.Module], stage: int) -> list[str]:
@@ -149,13 +188,13 @@ class StageRecovery:
         t0 = time.monotonic()
         deadline = t0 + max(self.cfg.wait_s, 60.0)
         last = None
-        while time.monotonic() < deadline:
+        while self.cfg.standby or time.monotonic() < deadline:
             try:
                 st = await self.status()
                 last = st
                 # a lost stage first; with none, join the least-replicated stage (a replica copy) only
                 # after SUSPEND_WAIT_S, so a replacement started at the failure does not race detection
-                patient = time.monotonic() - t0 < min(self.cfg.wait_s, SUSPEND_WAIT_S)
+                patient = self.cfg.standby or time.monotonic() - t0 < min(self.cfg.wait_s, SUSPEND_WAIT_S)
                 if st.vacancy >= 0 and st.epoch > 0 and (st.suspended or not patient):
                     return st.vacancy, st
             except grpc.aio.AioRpcError as exc:
@@ -165,7 +204,8 @@ class StageRecovery:
                             "once a schedule runs")
 
     def decide(self, stage: int, status) -> Recovery:
-        alive = set(status.live_stages)
+        # a stage lost in the same incident counts as lost even if rebuilt meanwhile (P23)
+        alive = set(status.live_stages) - (set(status.down_stages) - {stage})
         replicas = dict(status.replicas)
         r = choose_recovery(stage, self.n_stages - 1, alive, replica_alive=replicas.get(stage, 0) > 0,
                             plus=self.cfg.plus, allow_edge_copy=self.cfg.allow_edge_copy,
@@ -177,6 +217,15 @@ class StageRecovery:
                       f"rule {r.rule} from stages {r.sources} (no averaging with missing weights)",
                       extra={"event": "adjacent_failure", "stage": stage, "lost": lost_adjacent, "rule": r.rule})
         return r
+
+    async def live_iteration(self) -> int:
+        """The iteration the surviving stage nodes are at (their cards' `iteration`, the largest)."""
+        views = await read_cards(self.ctx.membership.dht, self.run_id)
+        its = [card_int(v, "iteration") for v in views if v.card.role == "stage" and v.card.state == "ready"]
+        its = [i for i in its if i is not None]
+        if not its:
+            raise RecoveryError("no live stage node publishes its iteration: cannot place a checkpoint restore")
+        return max(its)
 
     async def _donor_views(self, stage: int):
         views = await read_cards(self.ctx.membership.dht, self.run_id)
@@ -265,5 +314,5 @@ class StageRecovery:
         return Rebuilt(stage, r.rule, il, weights, None, {left: dl, right: dr}, {left: nl, right: nr}, warn=r.warn)
 
 
-__all__ = ["Rebuilt", "StageRecovery", "apply_recovery", "coordinator_status", "load_adam_state", "optimizer_spec",
+__all__ = ["Rebuilt", "newest_checkpoint", "rebuilt_from_checkpoint", "stage_checkpoint_dir", "StageRecovery", "apply_recovery", "coordinator_status", "load_adam_state", "optimizer_spec",
            "param_spec", "relabel"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.cluster import Cluster
 from pipeline.paths import RULE_NAMES, PathRules, stage_violation
@@ -196,3 +196,36 @@ def validate_schedule(schedule: Schedule, cluster: Cluster | None = None) -> Sch
                 raise ScheduleViolation("R5", f"node {x} (stage {stage_of[x]}) is visited {v} "
                                               f"times > its memory {cluster.memory[x]}")
     return schedule
+
+
+def checkfree_plus_paths(schedule: Schedule) -> Schedule:
+    """CheckFree+ swaps in a planned schedule (pipeline.md §3.2, P24): every odd microbatch of each
+    originator takes transformer stages (1, 2) swapped, and likewise (T-1, T), wherever its path
+    visits the pair in order back to back; the nodes (so visits and memory) are unchanged. With
+    k = 0 this is `pipeline.checkfree.checkfree_plus_order`. The schedule's rules are widened to
+    allow these two adjacent swaps (max_jump, max_swaps and total swap distance at least 2; the
+    in-order "full" builder plans with none); a swap that would still break R3/R4 (the path already
+    swaps) is left out. Needs T = S - 1 >= 4 transformer stages."""
+    t = schedule.rules.S - 1
+    if t < 4:
+        raise ScheduleViolation("CF+", f"CheckFree+ needs at least 4 transformer stages, the schedule has {t}")
+    stage_of = {x: s for s, g in enumerate(schedule.partitions) for x in g}
+    r = schedule.rules
+    rules = replace(r, max_jump=max(r.max_jump, 2), max_swap_distance=max(r.max_swap_distance, 1),
+                    max_swaps=max(r.max_swaps, 2), max_total_swap_distance=max(r.max_total_swap_distance, 2))
+    paths = list(schedule.paths)
+    for origin in schedule.origins:
+        for seq, pid in enumerate(schedule.path_ids(origin)):
+            if seq % 2 == 0:
+                continue
+            path = list(paths[pid])
+            for a, b in ((1, 2), (t - 1, t)):
+                stages = [stage_of[x] for x in path]
+                if a in stages and stages.index(a) + 1 < len(stages) and stages[stages.index(a) + 1] == b:
+                    i = stages.index(a)
+                    cand = path[:i] + [path[i + 1], path[i]] + path[i + 2:]
+                    if stage_violation(tuple(stage_of[x] for x in cand), rules) is None:
+                        path = cand
+            paths[pid] = tuple(path)
+    return replace(schedule, paths=tuple(paths), rules=rules)
+

@@ -70,7 +70,8 @@ from pipeline.config import ScheduleConfig, StageConfig
 from pipeline.coordinator import ScheduleCoordinator, fetch_schedule, parse_reply
 from pipeline.schedule import ScheduleViolation
 from pipeline.checkfree import RecoveryError
-from pipeline.recovery import Rebuilt, StageRecovery, apply_recovery, coordinator_status, load_adam_state
+from pipeline.recovery import (Rebuilt, StageRecovery, apply_recovery, coordinator_status, newest_checkpoint,
+                               rebuilt_from_checkpoint, stage_checkpoint_dir)
 from pipeline.stage_exec import Aborted, BadInput, EvalResult, OriginDone, StageExecutor, StepResult
 from pipeline.stage_timing import measure_forward_s
 from pipeline.stage_transport import StageTransport
@@ -178,7 +179,9 @@ class StageRole(RoleBase):
         self.opt = build_optimizer(self.module.parameters(), self.cfg.optim)
         self.lr_sched = inner_lr_scheduler(self.opt, self.cfg.optim)
         self.cfg_hash = stage_cfg_hash(self.s)
-        self.checkpointer = Checkpointer(self.ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
+        ckpt_dir = (stage_checkpoint_dir(self.cfg.checkpoint_dir, index) / self.me[:24] if self.cfg.checkpoint_dir
+                    else self.ctx.config.state_dir)
+        self.checkpointer = Checkpointer(ckpt_dir, CHECKPOINT_FORMAT, self.cfg_hash)
         if getattr(self, "state_servicer", None) is not None:
             self.state_servicer.cfg_hash = self.cfg_hash
 
@@ -296,20 +299,31 @@ class StageRole(RoleBase):
         cf = self.cfg.checkfree
         build = lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages,  # noqa: E731
                                       self.cfg.stage0_layers)
+        root = self.cfg.checkpoint_dir
+        has_ckpt = lambda i: bool(root) and newest_checkpoint(root, i, CHECKPOINT_FORMAT,  # noqa: E731
+                                                              self._cfg_hash_of(i)) is not None
         rec = StageRecovery(ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=cf, build=build,
-                            cfg_hash_of=self._cfg_hash_of, status=status, offload=self.compute.run)
+                            cfg_hash_of=self._cfg_hash_of, status=status, has_checkpoint=has_ckpt,
+                            offload=self.compute.run)
         await self.ctx.set_role_ready(False, "recovering", "asking the coordinator which stage to rebuild")
         stage, st = await rec.vacancy()
         log.info("taking stage %d (coordinator: %s)", stage, st.reason,
                  extra={"event": "recovery_started", "stage": stage, "missing": list(st.missing_stages),
                         "live": list(st.live_stages)})
+        self.ctx.card.update(publish=True, recovering=stage)     # the coordinator sends the next replacement elsewhere
         rule = rec.decide(stage, st)
         await self.compute.run(self._build, stage)
         M.STAGE_INDEX.set(stage)
+        if rule.rule in ("checkpoint", "nearest"):
+            M.ADJACENT_FAILURES.inc()
         if rule.rule == "checkpoint":
-            raise RecoveryError("stage rebuild from a checkpoint is not wired into the live role: restart the run "
-                                "from the checkpoints (stage.checkpoint_every)")
-        self.rebuilt = r = await rec.rebuild(stage, rule)
+            tf = time.monotonic()
+            state = await self.compute.run(newest_checkpoint, root, stage, CHECKPOINT_FORMAT, self.cfg_hash)
+            self.rebuilt = r = rebuilt_from_checkpoint(state, stage, await rec.live_iteration())
+            r.fetch_s = time.monotonic() - tf
+            log.warning("%s", r.warn, extra={"event": "recovery_warning", "stage": stage, "rule": r.rule})
+        else:
+            self.rebuilt = r = await rec.rebuild(stage, rule)
         t1 = time.monotonic()
 
         def apply() -> None:
@@ -330,7 +344,7 @@ class StageRole(RoleBase):
                         "norms": {str(k): v for k, v in r.norms.items()}, "fetch_s": round(r.fetch_s, 3),
                         "apply_s": round(apply_s, 3), "total_s": round(time.monotonic() - t0, 3), "lr": lr,
                         "lr_base": self.opt.param_groups[0]["initial_lr"],
-                        "fresh_optimizer": r.optimizer is None, "warn": r.warn})
+                        "fresh_optimizer": r.optimizer is None and r.checkpoint is None, "warn": r.warn})
 
     async def _resync(self, it: int) -> None:
         """A replica copy joined at an older iteration: copy the replica again at `it`."""

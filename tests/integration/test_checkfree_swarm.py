@@ -25,9 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 LR = 0.003
 LR_SCALE = 1.1
-KILL_AT = 10
+KILL_AT = 25
 """Iteration (steps of the data node) after which the stage is killed."""
-ITERATIONS = 30
+ITERATIONS = 55
 RETURN_BOUND = 12
 """Iterations after the recovery within which the 3-iteration mean training loss is back below
 its pre-failure value (measured: see the printed figure)."""
@@ -47,7 +47,8 @@ def settings(stages: int, plus: bool) -> list[str]:
             "data.seq_len=32", "data.batch_size=4", "data.max_train_bytes=400000", "data.max_val_bytes=40000",
             "stage.torch_threads=1", "stage.eval_every=0", f"stage.optim.lr={LR}", "stage.optim.warmup=0",
             f"stage.iterations={ITERATIONS}", "stage.iteration_timeout_s=60", f"stage.checkfree.lr_scale={LR_SCALE}",
-            f"stage.checkfree.plus={str(plus).lower()}", "card.refresh_s=1", "drain.budget_s=10"]
+            f"stage.checkfree.plus={str(plus).lower()}", f"schedule.checkfree_plus={str(plus).lower()}",
+            "card.refresh_s=1", "drain.budget_s=10"]
 
 
 def _wait_iteration(node: NodeProc, it: int, deadline: float) -> None:
@@ -60,7 +61,9 @@ def _wait_iteration(node: NodeProc, it: int, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str) -> None:
+def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str, standby: bool = False) -> None:
+    """Train, SIGKILL every node of stage `victim`, start a replacement (or, with `standby`, have a
+    hot spare started with the swarm take over: one process start less on the critical path)."""
     stages = max(layout) + 1
     t0 = time.monotonic()
     with LocalSwarm(run_id="cf", common_set=settings(stages, plus), workdir=tmp_path) as swarm:
@@ -69,6 +72,9 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str)
         nodes = [swarm.start("stage", name=f"s{s}-{i}", extra_set=[f"stage.index={s}",
                                                                    f"schedule.expect_nodes={len(layout)}"])
                  for i, s in enumerate(layout)]
+        spare = (swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true",
+                                                                     "stage.checkfree.standby=true"])
+                 if standby else None)
         data = nodes[layout.index(0)]
         deadline = time.monotonic() + DEADLINE_S
         _wait_iteration(data, KILL_AT, deadline)
@@ -78,7 +84,7 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str)
         for n in victims:                               # SIGKILL every replica of the stage
             swarm.kill(n)
         killed_at = time.monotonic()
-        repl = swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true"])
+        repl = spare or swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true"])
         live = {}
         while not events(repl, "stage_recovered"):
             assert repl.alive(), repl.log_text()[-4000:]
@@ -137,3 +143,51 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str)
 def test_checkfree_rebuilds_a_killed_interior_stage(tmp_path):
     """Stage 2 of 0-1-2-3, both of its replicas SIGKILLed: the average of stages 1 and 3."""
     run_failure(tmp_path, layout=[0, 1, 2, 2, 3], victim=2, plus=False, rule="average")
+
+
+def test_checkfree_plus_rebuilds_a_killed_edge_stage_from_its_swap_partner(tmp_path):
+    """Stage 1 of 0-1-2-3-4 under CheckFree+ (odd microbatches visit 2,1,4,3): a copy of stage 2."""
+    run_failure(tmp_path, layout=[0, 1, 2, 3, 4], victim=1, plus=True, rule="copy_partner", standby=True)
+
+
+def test_two_adjacent_lost_stages_are_reported_and_restored_from_checkpoints(tmp_path):
+    """Stages 2 and 3 of 0-1-2-3-4 SIGKILLed together: the coordinator reports both (adjacent),
+    no replacement averages with missing weights: each restores its stage's newest checkpoint
+    (written every 7 iterations to a shared directory) and the run goes on. A hot spare takes the
+    first stage, a replacement started after the kill the second (the spare's claim sends it there)."""
+    ckpt = tmp_path / "ckpt"
+    extra = [f"stage.checkpoint_dir={ckpt}", "stage.checkpoint_every=7"]
+    with LocalSwarm(run_id="cf", common_set=[*settings(5, False), *extra], workdir=tmp_path) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        swarm.wait_ready([boot], timeout=60)
+        layout = [0, 1, 2, 3, 4]
+        nodes = [swarm.start("stage", name=f"s{s}", extra_set=[f"stage.index={s}", "schedule.expect_nodes=5"])
+                 for s in layout]
+        spare = swarm.start("stage", name="spare", extra_set=["stage.checkfree.recover=true",
+                                                              "stage.checkfree.standby=true"])
+        deadline = time.monotonic() + DEADLINE_S
+        _wait_iteration(nodes[0], KILL_AT, deadline)
+        for n in nodes[2:4]:
+            swarm.kill(n)
+        second = swarm.start("stage", name="second", extra_set=["stage.checkfree.recover=true"])
+        survivors = [nodes[0], nodes[1], nodes[4]]
+        for n in [*survivors, spare, second]:
+            rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
+            assert rc == 0, f"{n.name} exited with {rc}: {n.log_text()[-3000:]}"
+    down = {e["stage"]: e for e in events(boot, "stage_down") if e["stage"] in (2, 3)}
+    assert set(down) == {2, 3} and all(e["detect_s"] < 10 for e in down.values()), down
+    assert any(e["adjacent_lost"] for e in down.values()), down
+    recs = {r["stage"]: r for n in (spare, second) for r in events(n, "stage_recovered")}
+    assert set(recs) == {2, 3}, recs
+    for st, r in recs.items():
+        assert r["rule"] == "checkpoint", r
+        age = r["norms"]["-1"]
+        assert 0 <= age < 7, r
+    for n in (spare, second):
+        assert events(n, "adjacent_failure"), n.log_text()[-2000:]
+    for n in survivors:
+        assert [e["iteration"] for e in events(n, "stage_step")] == list(range(ITERATIONS)), n.name
+    loss = [e["loss"] for e in events(nodes[0], "stage_step")]
+    assert len(loss) == ITERATIONS and all(math.isfinite(v) for v in loss)
+    print(f"adjacent failure: restored stages 2 and 3 from checkpoints {[recs[s]['norms']['-1'] for s in (2, 3)]} "
+          f"iterations old at iteration {recs[2]['iteration']}; loss {loss[KILL_AT - 1]:.3f} -> {loss[-1]:.3f}")

@@ -123,6 +123,7 @@ def test_vacancy_prefers_a_lost_stage_then_the_least_replicated():
     assert pick_vacancy(reps) == 2
     assert pick_vacancy({0: 1, 1: 2, 2: 1, 3: 1}) == 2
     assert pick_vacancy({0: 0, 1: 1, 2: 1}) == 0
+    assert pick_vacancy({0: 1, 1: 1, 2: 0, 3: 0, 4: 1}, claimed={2}) == 3   # two lost: the next replacement
 
 
 def test_relabel_averages_neighbours_by_position_and_apply_resets_the_optimizer():
@@ -163,3 +164,62 @@ def test_a_replica_copy_keeps_the_donor_optimizer_state():
     for (n, p), q in zip(joiner.named_parameters(), donor.parameters()):
         torch.testing.assert_close(opt.state[p]["exp_avg"], dopt.state[q]["exp_avg"], atol=0, rtol=0)
         assert float(opt.state[p]["step"]) == 1.0
+
+
+def test_checkfree_plus_paths_swap_exactly_the_odd_microbatches():
+    """P24 in the live schedule: with k = 0 odd microbatches of each origin visit (2,1,...,T,T-1),
+    even ones run in order; the nodes per stage (visits, memory) are unchanged."""
+    from pipeline.checkfree import checkfree_plus_order
+    from pipeline.cluster import Cluster
+    from pipeline.paths import PathRules
+    from pipeline.schedule import checkfree_plus_paths, validate_schedule
+    from pipeline.search import plan
+
+    for stages in (5, 7):
+        n = stages + 1                                    # two data nodes
+        parts = [(0, 1)] + [(s + 1,) for s in range(1, stages)]
+        cluster = Cluster(compute=[0.05] * n, comm=[[0.0 if i == j else 0.01 for j in range(n)] for i in range(n)],
+                          memory=4, names=[f"n{i}" for i in range(n)])
+        rules = PathRules.from_skip_ratio(stages, 0.0)
+        base = plan(cluster, parts, rules, 4, method="full", seed=0, time_budget_s=1.0)
+        plus = validate_schedule(checkfree_plus_paths(base), cluster)
+        assert plus.stage_visits() == base.stage_visits() and plus.node_visits() == base.node_visits()
+        for origin in plus.origins:
+            for seq, pid in enumerate(plus.path_ids(origin)):
+                assert list(plus.stages(pid)[1:]) == checkfree_plus_order(seq, stages - 1), (stages, seq)
+
+
+def test_adjacent_failure_restores_the_newest_checkpoint_of_any_replica(tmp_path):
+    """P23 fallback: with stage 2 and a neighbour lost, the stage comes back from the newest
+    checkpoint any of its replicas wrote under checkpoint_dir (weights and AdamW state), joining
+    at the survivors' iteration; its age is reported. Never an average with missing weights."""
+    from models.optim import build_optimizer, inner_lr_scheduler
+    from node.checkpoint import Checkpointer
+    from pipeline.checkfree import choose_recovery
+    from pipeline.recovery import newest_checkpoint, rebuilt_from_checkpoint, stage_checkpoint_dir
+
+    cfg = ModelConfig(d_model=16, n_layers=4, n_heads=2, max_seq_len=16)
+    optim = InnerConfig(lr=0.01, warmup=0, total_steps=100)
+    written = {}
+    for peer, it, seed in (("peerA", 10, 1), ("peerB", 15, 2)):
+        mod = build_stage(cfg, seed, 2, 5)
+        opt = build_optimizer(mod.parameters(), optim)
+        mod(torch.randn(2, 8, 16)).square().mean().backward()
+        opt.step()
+        Checkpointer(stage_checkpoint_dir(tmp_path, 2) / peer, "fmt", "h2").save(
+            {"stage": mod, "optimizer": opt, "lr_schedule": inner_lr_scheduler(opt, optim)},
+            {"iteration": it, "stage": 2, "cfg_hash": "h2"})
+        written[it] = (weights_sha256(mod), opt.state_dict()["state"][0]["exp_avg"].clone())
+    rule = choose_recovery(2, 4, alive={0, 1, 4}, has_checkpoint=True)
+    assert rule.rule == "checkpoint"
+    assert choose_recovery(2, 4, alive={0, 1, 4}).rule == "nearest"        # no checkpoint: never "average"
+    assert newest_checkpoint(tmp_path, 3, "fmt", "h3") is None
+    state = newest_checkpoint(tmp_path, 2, "fmt", "h2")
+    assert state["meta"]["iteration"] == 15
+    r = rebuilt_from_checkpoint(state, 2, 21)
+    assert r.iteration == 21 and r.norms[-1] == 6 and "6 iterations old" in r.warn
+    target = build_stage(cfg, 9, 2, 5)
+    opt, sched = apply_recovery(target, r, optim, 1.2)
+    assert weights_sha256(target) == written[15][0]
+    torch.testing.assert_close(opt.state_dict()["state"][0]["exp_avg"], written[15][1], atol=0, rtol=0)
+    assert sched.last_epoch == 21 and opt.param_groups[0]["initial_lr"] == 0.01
