@@ -47,8 +47,6 @@ SWARM = 'run=~"$run", role=~"$role"'
 RATE = "$__rate_interval"
 
 PENDING_METRICS = {
-    "swarmnode_checkfree_recoveries_total": "stage role: CheckFree recovery (pipeline.md §3, §5)",
-    "swarmnode_checkfree_recovery_duration_seconds_bucket": "stage role: CheckFree recovery (pipeline.md §5)",
     "swarmnode_pipeline_quarantined_replicas": "stage coordinator: replicas left out of the schedule (ops.md §4)",
     "swarmnode_security_flags_total": "stage checks: pipeline.md §4",
 }

@@ -39,12 +39,23 @@ SEND_RETRIES = Counter("swarmnode_pipeline_send_retries_total",
                        "Failed attempts to deliver a pipeline message (each is retried on a fresh stream). If it "
                        "keeps rising, the peer named in the WARN log is unreachable.", registry=REGISTRY)
 
-# CheckFree (pipeline.md §3, §5): one histogram with a phase label. `detect` is observed by the
-# coordinator (bootstrap: last good health probe -> stage noticed down); `fetch` (downloading the
-# donors' state) and `apply` (averaging / copying, fresh optimizer) by the replacement node.
+# CheckFree (pipeline.md §3, §5; issue 11): `swarmnode_checkfree_recovery_seconds` is one histogram
+# with a `phase` label: `detect` is observed by the coordinator (bootstrap: last good health probe
+# -> stage noticed down), `fetch` (downloading the donors' state) and `apply` (loading the rebuilt
+# weights, fresh optimizer) by the replacement node. The counter's label is `rule` (the spec's and
+# the alert rules' name for the issue's "kind"); `recovery_duration_seconds` is the total per
+# recovery on the replacement (the dashboard's p95).
+RECOVERY_RULES = ("replica", "average", "copy_partner", "copy_neighbour", "checkpoint", "nearest")
 RECOVERIES = Counter("swarmnode_checkfree_recoveries_total",
-                     "Stages rebuilt on this node, by rule (replica, average, copy_partner, copy_neighbour, "
-                     "checkpoint, nearest).", ["kind"], registry=REGISTRY)
+                     "Stages rebuilt on this node, by rule (the kind of recovery: replica, average, copy_partner, "
+                     "copy_neighbour, checkpoint, nearest).", ["rule"], registry=REGISTRY)
+for _rule in RECOVERY_RULES:          # every rule's series exists from the start (0), so rates and alerts see it
+    RECOVERIES.labels(rule=_rule)
+RECOVERY_DURATION = Histogram("swarmnode_checkfree_recovery_duration_seconds",
+                              "Seconds a replacement took from asking the coordinator for a stage to holding the "
+                              "rebuilt weights (fetch + apply + waiting for donors; detection is the "
+                              "coordinator's `phase=\"detect\"`).",
+                              buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120), registry=REGISTRY)
 RECOVERY_SECONDS = Histogram("swarmnode_checkfree_recovery_seconds",
                              "Seconds per recovery phase: detect (coordinator), fetch and apply (replacement node).",
                              ["phase"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60), registry=REGISTRY)

@@ -330,7 +330,8 @@ class StageRole(RoleBase):
             self.opt, self.lr_sched = apply_recovery(self.module, r, self.cfg.optim, self.cfg.checkfree.lr_scale)
         await self.compute.run(apply)
         apply_s = time.monotonic() - t1
-        M.RECOVERIES.labels(kind=r.rule).inc()
+        M.RECOVERIES.labels(rule=r.rule).inc()
+        M.RECOVERY_DURATION.observe(time.monotonic() - t0)
         M.RECOVERY_SECONDS.labels(phase="fetch").observe(r.fetch_s)
         M.RECOVERY_SECONDS.labels(phase="apply").observe(apply_s)
         M.WEIGHTS_VERSION.set(r.iteration)

@@ -91,7 +91,7 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
             assert time.monotonic() < deadline, "no recovery: " + repl.log_text()[-3000:] + boot.log_text()[-3000:]
             time.sleep(0.3)
         recovered_after = time.monotonic() - killed_at
-        while not live.get(f'swarmnode_checkfree_recoveries_total{{kind="{rule}"}}'):
+        while not live.get(f'swarmnode_checkfree_recoveries_total{{rule="{rule}"}}'):
             live = repl.metrics() or live
             assert time.monotonic() < deadline and repl.alive(), repl.log_text()[-3000:]
             time.sleep(0.2)
@@ -119,6 +119,7 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
     assert steps == list(range(t, ITERATIONS)), steps
     assert live.get('swarmnode_stage_weights_version', -1) >= t
     assert live.get('swarmnode_checkfree_recovery_seconds_count{phase="fetch"}') == 1, live
+    assert live.get('swarmnode_checkfree_recovery_duration_seconds_count') == 1, live
 
     # no surviving node restarted: same process, every iteration stepped exactly once
     for n in survivors:
