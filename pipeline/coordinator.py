@@ -173,14 +173,18 @@ def stage_replicas(members: list[tuple], stages: int) -> dict[int, int]:
     return {s: sum(1 for m in members if m[1] == s) for s in range(stages)}
 
 
-def pick_vacancy(replicas: dict[int, int], claimed: set[int] | frozenset = frozenset()) -> int:
+def pick_vacancy(replicas: dict[int, int], claimed: set[int] | frozenset = frozenset(),
+                 peak: dict[int, int] | None = None) -> int:
     """The stage a replacement node should take: one with no live node that no other replacement
-    has claimed first (lowest index), else the transformer stage with the fewest nodes (it will
-    copy a replica)."""
+    has claimed first (lowest index); else the transformer stage that lost the most nodes since
+    its `peak` (the most it had in a published schedule); else the one with the fewest nodes (it
+    will copy a replica)."""
     missing = [s for s, n in sorted(replicas.items()) if n == 0 and s not in claimed]
     if missing:
         return missing[0]
-    return min((s for s in replicas if s > 0), key=lambda s: (replicas[s], s), default=-1)
+    peak = peak or {}
+    return min((s for s in replicas if s > 0),
+               key=lambda s: (-(peak.get(s, 0) - replicas[s]), replicas[s], s), default=-1)
 
 
 class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
@@ -195,6 +199,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self._task: asyncio.Task | None = None
         self.probe = LivenessProbe()
         self.live: list[tuple] = []             # live stage members at the last poll
+        self.peak: dict[int, int] = {}          # stage -> most nodes it had in a published schedule
         self.claims: set[int] = set()           # stages replacements are rebuilding (card detail `recovering`)
         self.scheduled: list[tuple] = []        # members of the latest published schedule
         self.suspended_since: float | None = None
@@ -257,6 +262,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self.suspended_since = None
             self.reported_down.clear()
         self.scheduled = list(members)
+        for st, n in stage_replicas(members, self.cfg.stages).items():
+            self.peak[st] = max(self.peak.get(st, 0), n)
         async with self._changed:
             self.epoch = epoch
             self.replies[epoch] = reply
@@ -304,7 +311,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         suspended = bool(self.scheduled) and bool(missing)
         return pipeline_pb2.ScheduleStatus(
             epoch=self.epoch, suspended=suspended, missing_stages=missing,
-            live_stages=[s for s, n in replicas.items() if n > 0], vacancy=pick_vacancy(replicas, self.claims),
+            live_stages=[s for s, n in replicas.items() if n > 0],
+            vacancy=pick_vacancy(replicas, self.claims, self.peak) if self.live else -1,   # nothing to rebuild from
             down_stages=sorted(self.reported_down), claimed_stages=sorted(self.claims),
             reason=(f"stages {missing} have no live node" if suspended else self.waiting_reason if not self.scheduled
                     else "running"), replicas=replicas)

@@ -122,6 +122,7 @@ class StageExecutor:
         self.epoch = 0                   # epoch this origin uses for its next iteration
         self.latest_epoch = 0            # newest epoch the role knows of
         self.floor_epoch = 0             # messages of older epochs belong to an aborted iteration
+        self.pending: list[Out] = []     # messages a schedule change produced with no `emit` to send them
         self.iteration = 0               # = optimizer steps taken
         self._it: dict[int, _Iter] = {}
         self._future: list[Msg] = []
@@ -157,7 +158,20 @@ class StageExecutor:
         lost = _members(cur) - _members(new)
         if not lost:
             return False
-        st = self._it.pop(self.iteration, None)
+        st = self._it.get(self.iteration)
+        if st is not None and st.grads_sent and set(self._replicas(cur)) - set(st.grads) <= lost:
+            # every microbatch of the iteration is done and only lost replicas' gradients are
+            # missing: the other stages have stepped on it, so step too, with the gradients that
+            # are here (the mean over their visits; surviving replicas compute the same bits)
+            self.dropped["degraded_step"] += 1
+            outs = self._maybe_step(st, cur, degraded=True)
+            if outs:
+                if self.emit is not None:
+                    self.emit(outs)
+                else:
+                    self.pending.extend(outs)
+            return self.maybe_abort(epoch)       # the next iteration may have started on the old epoch
+        self._it.pop(self.iteration, None)
         self._future = [m for m in self._future if m.meta.get("ep", 0) >= epoch]
         self.opt.zero_grad(set_to_none=True)
         self.floor_epoch = epoch
@@ -479,10 +493,11 @@ class StageExecutor:
         st.grads[msg.sender] = (v, t, msg.meta.get("ne", 0))
         return self._maybe_step(st, sched) if st.grads_sent else []
 
-    def _maybe_step(self, st: _Iter, sched: Schedule) -> list[Out]:
+    def _maybe_step(self, st: _Iter, sched: Schedule, degraded: bool = False) -> list[Out]:
         """Every replica's gradient sum is in: g = (sum over replicas) / (total visits), clip,
-        and exactly one optimizer step."""
-        if set(st.grads) != set(self._replicas(sched)):
+        and exactly one optimizer step. `degraded`: step with the gradients that are in (the
+        missing replicas are lost)."""
+        if not degraded and set(st.grads) != set(self._replicas(sched)):
             return []
         order = sorted(st.grads)                     # ascending peer ID: bitwise equal on every replica
         total = sum(st.grads[r][0] for r in order)

@@ -276,7 +276,7 @@ class StageRole(RoleBase):
     async def _adopt(self, sched, addrs: dict[str, str]) -> None:
         self.net.addrs.update(addrs)
         await self.compute.run(self.ex.add_schedule, sched)
-        if any(isinstance(e, Aborted) for e in self.ex.events):
+        if self.ex.events:                   # an aborted iteration, or a degraded step
             await self._after()
         log.info("schedule epoch %d adopted (%d paths, predicted %.3f s)", sched.epoch, len(sched.paths),
                  sched.expected_makespan, extra={"event": "schedule_adopted", "epoch": sched.epoch,

@@ -192,3 +192,44 @@ def test_two_adjacent_lost_stages_are_reported_and_restored_from_checkpoints(tmp
     assert len(loss) == ITERATIONS and all(math.isfinite(v) for v in loss)
     print(f"adjacent failure: restored stages 2 and 3 from checkpoints {[recs[s]['norms']['-1'] for s in (2, 3)]} "
           f"iterations old at iteration {recs[2]['iteration']}; loss {loss[KILL_AT - 1]:.3f} -> {loss[-1]:.3f}")
+
+
+def test_a_replacement_copies_a_surviving_replica_and_matches_it_bit_for_bit(tmp_path):
+    """One of stage 2's two replicas SIGKILLed: the coordinator re-plans over the survivor (the
+    interrupted iteration is aborted and restarted), a replacement copies the live replica
+    (weights and AdamW state, no averaging, no LR scale), re-syncs at the first iteration it is
+    asked to run, and from then on publishes the same weight hash as the survivor every step."""
+    long_run = [*settings(4, False), "stage.iterations=0"]        # until stopped: the copy joins a running swarm
+    with LocalSwarm(run_id="cf", common_set=long_run, workdir=tmp_path) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        swarm.wait_ready([boot], timeout=60)
+        layout = [0, 1, 2, 2, 3]
+        nodes = [swarm.start("stage", name=f"s{s}-{i}", extra_set=[f"stage.index={s}", "schedule.expect_nodes=5"])
+                 for i, s in enumerate(layout)]
+        deadline = time.monotonic() + DEADLINE_S
+        _wait_iteration(nodes[0], KILL_AT, deadline)
+        swarm.kill(nodes[3])
+        repl = swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true"])
+        survivors = [n for i, n in enumerate(nodes) if i != 3]
+        while len(events(repl, "stage_step")) < 5:
+            assert repl.alive() and time.monotonic() < deadline, repl.log_text()[-3000:]
+            time.sleep(0.3)
+        for n in [repl, *survivors]:
+            assert n.alive(), f"{n.name} ended: {n.log_text()[-3000:]}"
+            swarm.stop(n)
+    assert not [e for e in events(boot, "stage_down") if e["stage"] == 2 and e["epoch"] == 1], \
+        "a stage with a live replica is not down"
+    rec = events(repl, "stage_recovered")[0]
+    assert rec["stage"] == 2 and rec["rule"] == "replica" and not rec["fresh_optimizer"], rec
+    assert rec["lr_base"] == pytest.approx(LR), rec
+    for n in survivors:                                  # no restart, no iteration skipped or stepped twice
+        its = [e["iteration"] for e in events(n, "stage_step")]
+        assert its == list(range(len(its))) and len(its) > KILL_AT, n.name
+    mine = {e["iteration"]: e["weights_sha256"] for e in events(repl, "stage_step")}
+    theirs = {e["iteration"]: e["weights_sha256"] for e in events(nodes[2], "stage_step")}
+    assert len(mine) >= 5 and set(mine) <= set(theirs) | {max(mine)}
+    assert all(mine[k] == theirs[k] for k in mine if k in theirs), \
+        "the replacement's weights differ from the replica it copied"
+    resync = events(repl, "replica_resync")
+    print(f"replica copy: joined at {rec['iteration']}, re-synced at {[e['iteration'] for e in resync]}, "
+          f"stepped {len(mine)} iterations in lockstep with the survivor")

@@ -124,6 +124,7 @@ def test_vacancy_prefers_a_lost_stage_then_the_least_replicated():
     assert pick_vacancy({0: 1, 1: 2, 2: 1, 3: 1}) == 2
     assert pick_vacancy({0: 0, 1: 1, 2: 1}) == 0
     assert pick_vacancy({0: 1, 1: 1, 2: 0, 3: 0, 4: 1}, claimed={2}) == 3   # two lost: the next replacement
+    assert pick_vacancy({0: 1, 1: 1, 2: 1, 3: 1}, peak={1: 1, 2: 2, 3: 1}) == 2  # stage 2 lost one of two
 
 
 def test_relabel_averages_neighbours_by_position_and_apply_resets_the_optimizer():
@@ -223,3 +224,42 @@ def test_adjacent_failure_restores_the_newest_checkpoint_of_any_replica(tmp_path
     assert weights_sha256(target) == written[15][0]
     torch.testing.assert_close(opt.state_dict()["state"][0]["exp_avg"], written[15][1], atol=0, rtol=0)
     assert sched.last_epoch == 21 and opt.param_groups[0]["initial_lr"] == 0.01
+
+
+def test_a_replica_lost_after_the_backwards_leaves_its_twin_a_degraded_step_not_a_lag():
+    """Stage 2's replica peer05 dies after every backward of iteration 1 but before its gradient
+    reached peer04: every other stage steps on iteration 1; peer04 must not abort it (it would lag
+    one iteration behind forever) but step with its own gradient when the schedule drops peer05."""
+    sched = _skip_schedule()
+    nodes = _nodes(sched)
+    _run_iteration(nodes, sched)
+    dead = "peer05"
+    queue = []
+    for x in sched.origins:
+        ex = nodes[sched.names[x]]
+        early = []
+        ex.emit = early.extend
+        queue += [(ex.me, o) for o in early + ex.start_iteration()]
+    for ex in nodes.values():
+        ex.emit = None
+    while queue:
+        src, o = queue.pop(0)
+        if o.kind == "grad" and dead in (src, o.dest):
+            continue
+        queue += [(o.dest, new) for new in nodes[o.dest].handle(Msg(o.kind, src, o.meta, o.tensor))]
+    twin = nodes["peer04"]
+    assert twin.iteration == 1 and all(ex.iteration == 2 for n, ex in nodes.items() if n not in ("peer04", dead))
+    own = twin._it[1].grads["peer04"]
+    parts = tuple(tuple(x for x in g if sched.names[x] != dead) for g in sched.partitions)
+    paths = tuple(tuple(4 if sched.names[x] == dead else x for x in p) for p in sched.paths)
+    sched2 = replace(sched, partitions=parts, paths=paths, epoch=sched.epoch + 1)
+    del nodes[dead]
+    for ex in nodes.values():
+        ex.add_schedule(sched2)
+    assert twin.iteration == 2 and twin.dropped["degraded_step"] == 1 and twin.opt.steps == 2
+    expected = own[1] / own[0]
+    got = torch.cat([g.reshape(-1) for g in twin.opt.seen[1].values()])
+    norm = float(expected.norm())
+    torch.testing.assert_close(got, expected * min(1.0, 1.0 / norm), atol=1e-6, rtol=1e-5)
+    _run_iteration(nodes, sched2)
+    assert all(ex.iteration == 3 for ex in nodes.values()), {n: ex.iteration for n, ex in nodes.items()}
