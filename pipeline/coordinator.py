@@ -14,10 +14,11 @@ every new one. Stage nodes validate again before use. The planning itself is pur
 
 Liveness (CheckFree detection, pipeline.md §3, §5): every poll the coordinator also probes the
 standard gRPC health service of each node of the latest schedule (`LivenessProbe`). A node
-whose probe fails `DOWN_AFTER` times in a row (process gone: connection refused or timeout), or
-that answers NOT_SERVING after having served (draining), is taken out of the membership at
-once, without waiting for its card to expire; a card that expires or turns `draining` drops
-out the same way. A stage of the schedule left with no live node suspends the schedule: the
+whose probe fails `DOWN_AFTER` times in a row (process gone: connection refused or timeout) is
+taken out of the membership at once, without waiting for its card to expire, and for good (it
+must come back as a replacement); a card that expires or turns `draining` (published at once
+when a node drains) drops out the same way. A NOT_SERVING answer alone is not taken as down: a
+node whose DHT routing table emptied answers it while its pipeline still runs. A stage of the schedule left with no live node suspends the schedule: the
 `stage_down` event names it with the seconds from the last good probe (`detect_s`, also
 `swarmnode_checkfree_recovery_seconds{phase="detect"}`), `Schedule.Status` reports it
 (`suspended`, `missing_stages`, and `vacancy`: the stage a replacement should take), and the
@@ -157,8 +158,8 @@ class LivenessProbe:
         self.last_ok[peer_id] = now
         if reply.status == health_pb2.HealthCheckResponse.SERVING:
             self.served.add(peer_id)
-        elif peer_id in self.served:
-            self.down[peer_id] = "not serving (draining)"
+        # NOT_SERVING alone is not "down": a node whose DHT routing table emptied reports it while
+        # its pipeline streams still work; a draining node's card turns `draining` at once instead
 
     async def probe(self, members: list[tuple], now: float) -> None:
         todo = [(m[0], m[2]) for m in members if m[2] and m[0] not in self.down]
@@ -314,6 +315,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             live_stages=[s for s, n in replicas.items() if n > 0],
             vacancy=pick_vacancy(replicas, self.claims, self.peak) if self.live else -1,   # nothing to rebuild from
             down_stages=sorted(self.reported_down), claimed_stages=sorted(self.claims),
+            short_stages=[s for s, n in replicas.items() if 0 < n < self.peak.get(s, 0)],
             reason=(f"stages {missing} have no live node" if suspended else self.waiting_reason if not self.scheduled
                     else "running"), replicas=replicas)
 

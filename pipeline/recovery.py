@@ -192,10 +192,12 @@ class StageRecovery:
             try:
                 st = await self.status()
                 last = st
-                # a lost stage first; with none, join the least-replicated stage (a replica copy) only
-                # after SUSPEND_WAIT_S, so a replacement started at the failure does not race detection
+                # a lost stage or replica first; with none, join the least-replicated stage (a replica
+                # copy) only after SUSPEND_WAIT_S, so a replacement started at the failure does not race
+                # detection
                 patient = self.cfg.standby or time.monotonic() - t0 < min(self.cfg.wait_s, SUSPEND_WAIT_S)
-                if st.vacancy >= 0 and st.epoch > 0 and (st.suspended or not patient):
+                needed = st.suspended or (st.vacancy in st.short_stages and not self.cfg.standby)
+                if st.vacancy >= 0 and st.epoch > 0 and (needed or not patient):
                     return st.vacancy, st
             except grpc.aio.AioRpcError as exc:
                 log.info("coordinator status not available yet: %s", exc.details())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 
 import pytest
@@ -214,9 +215,11 @@ def test_a_replacement_copies_a_surviving_replica_and_matches_it_bit_for_bit(tmp
         while len(events(repl, "stage_step")) < 5:
             assert repl.alive() and time.monotonic() < deadline, repl.log_text()[-3000:]
             time.sleep(0.3)
-        for n in [repl, *survivors]:
+        for n in [repl, *survivors]:                      # stop them all at once (SIGTERM: drain)
             assert n.alive(), f"{n.name} ended: {n.log_text()[-3000:]}"
-            swarm.stop(n)
+            swarm.signal(n, signal.SIGTERM)
+        for n in [repl, *survivors]:
+            assert swarm.wait_exit(n, timeout=30) is not None, f"{n.name} did not drain: {n.log_text()[-2000:]}"
     assert not [e for e in events(boot, "stage_down") if e["stage"] == 2 and e["epoch"] == 1], \
         "a stage with a live replica is not down"
     rec = events(repl, "stage_recovered")[0]
