@@ -13,17 +13,17 @@ every new one. Stage nodes validate again before use. The planning itself is pur
 (pipeline/search.py); this module is its glue to cards and gRPC.
 
 Liveness (CheckFree detection, pipeline.md §3, §5): every poll the coordinator also probes the
-standard gRPC health service of each node of the latest schedule (`LivenessProbe`). A node
-whose probe fails `DOWN_AFTER` times in a row (process gone: connection refused or timeout) is
-taken out of the membership at once, without waiting for its card to expire, and for good (it
-must come back as a replacement); a card that expires or turns `draining` (published at once
-when a node drains) drops out the same way. A NOT_SERVING answer alone is not taken as down: a
-node whose DHT routing table emptied answers it while its pipeline still runs. A stage of the schedule left with no live node suspends the schedule: the
-`stage_down` event names it with the seconds from the last good probe (`detect_s`, also
-`swarmnode_checkfree_recovery_seconds{phase="detect"}`), `Schedule.Status` reports it
-(`suspended`, `missing_stages`, and `vacancy`: the stage a replacement should take), and the
-running nodes keep their state instead of timing out. When a replacement publishes its card
-the membership changes and the next plan resumes the run (`schedule_resumed`); the surviving
+standard gRPC health service of each node of the latest schedule (`LivenessProbe`). A node whose
+probe fails `DOWN_AFTER` times in a row (process gone: connection refused or timeout) is taken out
+of the membership at once, without waiting for its card to expire, and for good (it must come back
+as a replacement); a card that expires or turns `draining` (published at once when a node drains)
+drops out the same way. A NOT_SERVING answer alone is not taken as down: a node whose DHT routing
+table emptied answers it while its pipeline still runs. A stage of the schedule left with no live
+node suspends the schedule: the `stage_down` event names it with the seconds from the last good
+probe (`detect_s`, also `swarmnode_checkfree_recovery_seconds{phase="detect"}`), `Schedule.Status`
+reports it (`suspended`, `missing_stages`, and `vacancy`: the stage a replacement should take),
+and the running nodes keep their state instead of timing out. When a replacement publishes its
+card the membership changes and the next plan resumes the run (`schedule_resumed`); the surviving
 nodes abort the interrupted iteration on that epoch (pipeline/stage_exec.py) and restart it.
 """
 
@@ -371,4 +371,5 @@ def parse_reply(reply: pipeline_pb2.ScheduleReply) -> tuple[Schedule, dict[str, 
     return sched, dict(reply.addrs)
 
 
-__all__ = ["LivenessProbe", "ScheduleCoordinator", "pick_vacancy", "stage_replicas", "build_cluster", "fetch_schedule", "parse_reply", "plan_for", "stage_members"]
+__all__ = ["LivenessProbe", "ScheduleCoordinator", "build_cluster", "fetch_schedule", "parse_reply", "pick_vacancy",
+           "plan_for", "stage_members", "stage_replicas"]

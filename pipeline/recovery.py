@@ -145,7 +145,8 @@ def newest_checkpoint(root: str | Path, stage: int, fmt: str, cfg_hash: str) -> 
         except CheckpointError as exc:
             log.warning("skipping checkpoint in %s: %s", sub, exc)
             continue
-        if state is not None and (best is None or state["meta"].get("iteration", -1) > best["meta"].get("iteration", -1)):
+        newer = best is None or state is not None and state["meta"].get("iteration", -1) > best["meta"].get("iteration", -1)
+        if state is not None and newer:
             best = state
     return best
 
@@ -154,7 +155,8 @@ def rebuilt_from_checkpoint(state: dict, stage: int, iteration: int) -> Rebuilt:
     """A stage from its checkpoint (weights and AdamW state as written), joining at the survivors'
     `iteration`; `norms` records the checkpoint's age in iterations under key -1."""
     weights = {n: t.float() for n, t in state["parts"]["stage"].items()}
-    return Rebuilt(stage, "checkpoint", iteration, weights, None, {}, {-1: float(iteration - state["meta"]["iteration"])},
+    age = float(iteration - state["meta"]["iteration"])
+    return Rebuilt(stage, "checkpoint", iteration, weights, None, {}, {-1: age},
                    warn=f"stage {stage} restored from {state['path']} (iteration {state['meta']['iteration']}, "
                         f"{iteration - state['meta']['iteration']} iterations old)", checkpoint=state)
 
@@ -316,5 +318,5 @@ class StageRecovery:
         return Rebuilt(stage, r.rule, il, weights, None, {left: dl, right: dr}, {left: nl, right: nr}, warn=r.warn)
 
 
-__all__ = ["Rebuilt", "newest_checkpoint", "rebuilt_from_checkpoint", "stage_checkpoint_dir", "StageRecovery", "apply_recovery", "coordinator_status", "load_adam_state", "optimizer_spec",
-           "param_spec", "relabel"]
+__all__ = ["Rebuilt", "StageRecovery", "apply_recovery", "coordinator_status", "load_adam_state", "newest_checkpoint",
+           "optimizer_spec", "param_spec", "rebuilt_from_checkpoint", "relabel", "stage_checkpoint_dir"]
