@@ -201,7 +201,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.probe = LivenessProbe()
         self.live: list[tuple] = []             # live stage members at the last poll
         self.peak: dict[int, int] = {}          # stage -> most nodes it had in a published schedule
-        self.claims: set[int] = set()           # stages replacements are rebuilding (card detail `recovering`)
+        self.claims: dict[str, int] = {}        # replacement peer ID -> stage it rebuilds (card detail `recovering`)
         self.scheduled: list[tuple] = []        # members of the latest published schedule
         self.suspended_since: float | None = None
         self.reported_down: set[int] = set()
@@ -227,7 +227,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                 await asyncio.sleep(self.poll_s)
                 continue
             self.live = members
-            self.claims = {c for v in views if v.card.role == STAGE_ROLE and card_int(v, "stage") is None
+            self.claims = {v.peer_id: c for v in views if v.card.role == STAGE_ROLE and card_int(v, "stage") is None
                            and v.card.state in ("joining", "ready") and (c := card_int(v, "recovering")) is not None}
             self._check_liveness(members, loop.time())
             if members != seen:
@@ -313,8 +313,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         return pipeline_pb2.ScheduleStatus(
             epoch=self.epoch, suspended=suspended, missing_stages=missing,
             live_stages=[s for s, n in replicas.items() if n > 0],
-            vacancy=pick_vacancy(replicas, self.claims, self.peak) if self.live else -1,   # nothing to rebuild from
-            down_stages=sorted(self.reported_down), claimed_stages=sorted(self.claims),
+            vacancy=pick_vacancy(replicas, set(self.claims.values()), self.peak) if self.live else -1,   # nothing to rebuild from
+            down_stages=sorted(self.reported_down), claimed_stages=sorted(set(self.claims.values())), claims=self.claims,
             short_stages=[s for s, n in replicas.items() if 0 < n < self.peak.get(s, 0)],
             reason=(f"stages {missing} have no live node" if suspended else self.waiting_reason if not self.scheduled
                     else "running"), replicas=replicas)

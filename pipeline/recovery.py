@@ -207,6 +207,21 @@ class StageRecovery:
         raise RecoveryError(f"the coordinator named no stage to take (last status: {last}); start the replacement "
                             "once a schedule runs")
 
+    async def claim_holds(self, stage: int, timeout_s: float = 6.0) -> bool:
+        """After publishing the claim on `stage`: False when another replacement with a lower peer ID
+        claimed it too (this one then picks again); True once the coordinator shows the claim
+        uncontested, or when it does not show it within `timeout_s` (go ahead)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                st = await self.status()
+            except grpc.aio.AioRpcError:
+                st = None
+            if st is not None and st.claims.get(self.me) == stage:
+                return not any(p < self.me for p, s in st.claims.items() if s == stage)
+            await asyncio.sleep(RETRY_S)
+        return True
+
     def decide(self, stage: int, status) -> Recovery:
         # a stage lost in the same incident counts as lost even if rebuilt meanwhile (P23)
         alive = set(status.live_stages) - (set(status.down_stages) - {stage})

@@ -306,11 +306,17 @@ class StageRole(RoleBase):
                             cfg_hash_of=self._cfg_hash_of, status=status, has_checkpoint=has_ckpt,
                             offload=self.compute.run)
         await self.ctx.set_role_ready(False, "recovering", "asking the coordinator which stage to rebuild")
-        stage, st = await rec.vacancy()
+        while True:
+            stage, st = await rec.vacancy()
+            self.ctx.card.update(publish=True, recovering=stage)     # the coordinator sends the next one elsewhere
+            if await rec.claim_holds(stage):
+                break
+            log.info("stage %d is claimed by another replacement; picking again", stage)
+            self.ctx.card.update(publish=True, recovering=None)
+            await asyncio.sleep(1.0)
         log.info("taking stage %d (coordinator: %s)", stage, st.reason,
                  extra={"event": "recovery_started", "stage": stage, "missing": list(st.missing_stages),
                         "live": list(st.live_stages)})
-        self.ctx.card.update(publish=True, recovering=stage)     # the coordinator sends the next replacement elsewhere
         rule = rec.decide(stage, st)
         await self.compute.run(self._build, stage)
         M.STAGE_INDEX.set(stage)

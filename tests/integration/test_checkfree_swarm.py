@@ -159,8 +159,8 @@ def test_checkfree_plus_rebuilds_a_killed_edge_stage_from_its_swap_partner(tmp_p
 def test_two_adjacent_lost_stages_are_reported_and_restored_from_checkpoints(tmp_path):
     """Stages 2 and 3 of 0-1-2-3-4 SIGKILLed together: the coordinator reports both (adjacent),
     no replacement averages with missing weights: each restores its stage's newest checkpoint
-    (written every 7 iterations to a shared directory) and the run goes on. A hot spare takes the
-    first stage, a replacement started after the kill the second (the spare's claim sends it there)."""
+    (written every 7 iterations to a shared directory) and the run goes on. Two hot spares see the
+    loss at the same moment: their claims (lowest peer ID wins a tie) send them to different stages."""
     ckpt = tmp_path / "ckpt"
     extra = [f"stage.checkpoint_dir={ckpt}", "stage.checkpoint_every=7"]
     with LocalSwarm(run_id="cf", common_set=[*settings(5, False), *extra], workdir=tmp_path) as swarm:
@@ -169,13 +169,14 @@ def test_two_adjacent_lost_stages_are_reported_and_restored_from_checkpoints(tmp
         layout = [0, 1, 2, 3, 4]
         nodes = [swarm.start("stage", name=f"s{s}", extra_set=[f"stage.index={s}", "schedule.expect_nodes=5"])
                  for s in layout]
-        spare = swarm.start("stage", name="spare", extra_set=["stage.checkfree.recover=true",
-                                                              "stage.checkfree.standby=true"])
+        spares = [swarm.start("stage", name=name, extra_set=["stage.checkfree.recover=true",
+                                                             "stage.checkfree.standby=true"])
+                  for name in ("spare", "second")]
+        spare, second = spares
         deadline = time.monotonic() + DEADLINE_S
         _wait_iteration(nodes[0], KILL_AT, deadline)
         for n in nodes[2:4]:
             swarm.kill(n)
-        second = swarm.start("stage", name="second", extra_set=["stage.checkfree.recover=true"])
         survivors = [nodes[0], nodes[1], nodes[4]]
         for n in [*survivors, spare, second]:
             rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
