@@ -50,8 +50,8 @@ over the best checkpointing setting's; the larger of the two rates' medians over
 ``loss_jump_ratio_gradavg_vs_uniform`` (mean jump over every interior single-stage recovery of all
 seeds and rates, reported whatever they are).
 
-    python benchmarks/checkfree.py --quick --out docs/results/checkfree_quick.json   # ~3 min on 2 cores
-    python benchmarks/checkfree.py --out docs/results/checkfree.json                 # 3 seeds x 3 rates
+    python benchmarks/checkfree.py --quick --out docs/results/checkfree_quick.json   # ~2 min CPU (6 min on a busy 2-core box)
+    python benchmarks/checkfree.py --out docs/results/checkfree.json                 # 3 seeds x 3 rates, ~16 min CPU
 """
 
 from __future__ import annotations
@@ -591,7 +591,7 @@ QUICK = dict(rates=(0.10,), seeds=(0,))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 seed, the 10%% rate, 240 iterations (~3 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="1 seed, the 10%% rate, 240 iterations (~2 min of CPU on 2 cores)")
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--iterations", type=int, help="iterations of the no-failure run (default 240)")
     ap.add_argument("--seeds", type=int, help="number of seeds (default 1 quick, 3 full)")
