@@ -122,3 +122,75 @@ def fresh_optimizer(params, base_lr: float, lr_scale: float) -> torch.optim.Adam
     """The recovered stage's optimizer (P20): fresh AdamW state, lr = lr_scale * base_lr, always from
     the initial LR so a second recovery does not compound."""
     return torch.optim.AdamW(params, lr=lr_scale * base_lr, betas=(0.9, 0.999), weight_decay=0.0)
+
+
+# ---- ablations (pipeline.md 3.1 "Ablation"; benchmarks/checkfree.py) --------------------------------------
+# The baselines the gradient-norm average is measured against. Same contract as `average_neighbours`:
+# pure functions of their inputs (every replacement replica computes the same bits), new tensors out,
+# inputs untouched, non-float buffers copied.
+
+ABLATIONS = ("copy", "uniform", "random")
+"""Ablation rules, by the name the benchmark reports them under."""
+
+INIT_STD = 0.02
+"""Std of `random_reinit`'s matrices: the models' own initial std (models/llama.py INIT_STD)."""
+
+
+def copy_neighbour(neighbour: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Ablation "copy": the lost stage takes one neighbour's weights unchanged (a clone of every
+    tensor). Which neighbour is the caller's choice (the benchmark copies stage i-1, or the only
+    transformer neighbour of an edge stage)."""
+    if not neighbour:
+        raise RecoveryError("the neighbour sent no tensors: fetch its weights again or recover from a checkpoint")
+    return {name: neighbour[name].clone() for name in sorted(neighbour)}
+
+
+def uniform_average(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor], *,
+                    left_iteration: int, right_iteration: int) -> dict[str, torch.Tensor]:
+    """Ablation "uniform": the plain midpoint (W[i-1] + W[i+1]) / 2, i.e. `average_neighbours` with
+    equal weights; the same-iteration and schema checks apply (P18)."""
+    return average_neighbours(left, right, left_norm=1.0, right_norm=1.0, left_iteration=left_iteration,
+                              right_iteration=right_iteration)
+
+
+def random_reinit(template: dict[str, torch.Tensor], seed: int, std: float = INIT_STD) -> dict[str, torch.Tensor]:
+    """Ablation "random": fresh weights shaped like `template` (any stage's state, e.g. a neighbour's;
+    its values are not used). Floating tensors of >= 2 dims ~ N(0, std^2), each from its own generator
+    seeded by (seed, name), so the result depends only on (seed, names, shapes); 1-dim floating
+    tensors (RMSNorm gains) are ones, as at initialisation; non-float buffers are copied."""
+    import hashlib  # here, not at the top: this block is appended without touching the module head
+
+    out = {}
+    for name in sorted(template):
+        t = template[name]
+        if not t.is_floating_point():
+            out[name] = t.clone()
+        elif t.dim() < 2:
+            out[name] = torch.ones_like(t)
+        else:
+            digest = hashlib.sha256(f"checkfree-random:{int(seed)}:{name}".encode()).digest()
+            gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            out[name] = (torch.randn(t.shape, generator=gen, dtype=torch.float32) * std).to(t.dtype)
+    return out
+
+
+def shift_layers(state: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor]:
+    """`state` with every block renamed ``...layers.{i}.`` -> ``...layers.{i + offset}.`` (same tensors).
+
+    Stage state dicts carry whole-model block names (models/llama.py), so a neighbour's blocks must be
+    renamed to the lost stage's indices before averaging or copying: for stage i rebuilt from stage j,
+    offset = first block of i - first block of j. Other names (no ``layers.`` prefix) are kept."""
+    out = {}
+    for name, t in state.items():
+        parts = name.split(".")
+        for j in range(len(parts) - 1):
+            if parts[j] == "layers" and parts[j + 1].isdigit():
+                idx = int(parts[j + 1]) + offset
+                if idx < 0:
+                    raise RecoveryError(f"{name} shifted by {offset} gives block {idx}: the stages' layer ranges "
+                                        "do not match; recover from a replica or a checkpoint")
+                parts[j + 1] = str(idx)
+                name = ".".join(parts)
+                break
+        out[name] = t
+    return out
