@@ -60,7 +60,7 @@ class Defense:
         self.cfg, self.model_id, self.decode = cfg, model_id, decode
         self.kind = d.kind
         self.params = LogitCheckParams(cfg.temperature, cfg.top_k, cfg.top_p, d.support_slack, d.min_token_prob,
-                                       d.eps_lp)
+                                       d.eps_lp, d.support_min_tokens)
         self._judge = judge
         self._on_reject, self._on_ban_cb, self._on_judge = on_reject, on_ban, on_judge
         kw = {"clock": clock} if clock is not None else {}
@@ -171,11 +171,23 @@ class Defense:
                 ids = m.tokens[i][m.mask[i]].tolist()
                 text = self.decode(ids)
                 hits = self.judge.hits
-                safe = self.judge.judge_cached(m.prompts[int(m.group[i])].prompt_id,
-                                               torch.tensor(ids, dtype=torch.int32).numpy().tobytes(),
-                                               m.prompts[int(m.group[i])].text, text)
-                reason = None if safe else "judge"
-                self._on_judge("cached" if self.judge.hits > hits else ("safe" if safe else "unsafe"))
+                verdict = self.judge.verdict_cached(m.prompts[int(m.group[i])].prompt_id,
+                                                    torch.tensor(ids, dtype=torch.int32).numpy().tobytes(),
+                                                    m.prompts[int(m.group[i])].text, text)
+                self._on_judge("cached" if self.judge.hits > hits else ("safe" if verdict == "safe" else "unsafe"))
+                if verdict == "unsound":
+                    # the problem's own chain with a wrong step beside a right answer: not trained on,
+                    # but weak honest models write these too, so the sender is not blamed (no ban)
+                    dropped[i] = True
+                    counts["judge"] += 1
+                    self.per_sender[sender]["checked"] += 1
+                    self.per_sender[sender]["unsound"] += 1
+                    self._reject(sender, "judge")
+                    self.policy.record(sender, False)
+                    continue
+                reason = None if verdict == "safe" else "judge"
+                if reason is not None:
+                    self.per_sender[sender][f"judge_{verdict}"] += 1
             self.per_sender[sender]["checked"] += 1
             if reason is not None:
                 dropped[i] = True

@@ -64,21 +64,27 @@ class DefenseConfig(BaseModel):
     model), the judge for the others; ``logit`` / ``judge``: one check for every sender;
     ``off``: no content check, no rate ban (token budget still applies)."""
 
-    support_slack: float = Field(0.01, ge=0, le=1)
+    support_slack: float = Field(0.04, ge=0, le=1)
     """A token is in the sampler's support when the probability mass ranked above it is below
     ``top_p + support_slack`` (ties, drift between identical models)."""
 
-    min_token_prob: float = Field(1e-3, ge=0, lt=1)
-    """Same-model senders: a token below this local (processed) probability is rejected."""
+    min_token_prob: float = Field(1e-4, ge=0, lt=1)
+    """Same-model senders: a token below this local probability (round temperature) is rejected."""
+
+    support_min_tokens: int = Field(2, ge=1)
+    """Same-model senders: a completion is rejected as off-support when at least this many of its
+    tokens are outside the sampler's support (peers drift apart with training: one borderline
+    token is common in honest samples, several are not; a marker or an inserted step has several)."""
 
     min_token_prob_foreign: float = Field(1e-6, ge=0, lt=1)
     """Other-model senders: loose per-token floor before the judge (a per-token floor's false
     rejects grow as 1 - (1 - p)^L)."""
 
-    eps_lp: float = Field(0.5, gt=0)
-    """Same-model senders: reject when a claimed generator log-prob differs from the recomputed
-    one by more than this (nats). Catches liars inflating importance weights. Peers start from
-    the same weights but drift apart with training, hence well above fp32 noise (0.05)."""
+    eps_lp: float = Field(1.0, gt=0)
+    """Same-model senders: reject when the claimed generator log-probs differ from the recomputed
+    ones by more than this (nats, mean over the completion's tokens). Catches liars inflating
+    importance weights (their gain is bounded by C anyway). Peers start from the same weights but
+    drift apart with training, hence well above fp32 noise (0.05)."""
 
     judge: Literal["arith", "hf"] = "arith"
     """``arith``: deterministic rule judge for the built-in task (grammar + every step true);

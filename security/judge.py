@@ -48,19 +48,40 @@ _ARITH = re.compile(r"^(\d+\+\d+=\d+)(,\d+\+\d+=\d+)*=>\d+\n?$|^=>\d+\n?$")
 
 
 class ArithJudge:
-    """Rule judge for ``arith`` completions (see the module doc)."""
+    """Rule judge for ``arith`` completions (see the module doc).
+
+    :meth:`verdict` says why: ``safe``; ``poison`` (a character outside the task grammar, or more
+    statements than the problem's chain has steps: text unrelated to the task, an inserted false
+    step such as ``2+2=5``); ``unsound`` (the chain's shape with a false step, wrong operands or a
+    wrong sum, beside a right answer: what weak honest models also write). Both are UNSAFE: neither is trained on; the
+    GRPO glue blames the sender only for ``poison`` (rl/defense.py)."""
 
     name = "arith-rule-v1"
 
-    def judge(self, task: str, completion: str) -> bool:
+    @staticmethod
+    def verdict(task: str, completion: str) -> str:
         if not _ARITH.match(completion):
-            return False
-        body = completion.split("=>", 1)[0]
-        for step in filter(None, body.split(",")):
+            return "poison"
+        try:
+            operands = [int(x) for x in task.rstrip().rstrip(":").split("+")]
+        except ValueError:
+            operands = []
+        steps = [s for s in completion.split("=>", 1)[0].split(",") if s]
+        if operands and len(steps) > len(operands) - 1:
+            return "poison"                           # statements beyond the problem's chain
+        acc = operands[0] if operands else None
+        for k, step in enumerate(steps):
             m = _STEP.fullmatch(step)
-            if m is None or int(m.group(1)) + int(m.group(2)) != int(m.group(3)):
-                return False
-        return True
+            if m is None:
+                return "poison"
+            a, b, c = (int(m.group(i)) for i in (1, 2, 3))
+            if a + b != c or (operands and (a != acc or b != operands[k + 1])):
+                return "unsound"                      # a wrong step where the chain has one
+            acc = c
+        return "safe"
+
+    def judge(self, task: str, completion: str) -> bool:
+        return self.verdict(task, completion) == "safe"
 
 
 SYSTEM_PROMPT = ("You audit a solution that an untrusted peer sent for training. Answer with one word: "
@@ -157,7 +178,7 @@ class CachedJudge:
     def __init__(self, judge: Judge, size: int = 65536):
         self.inner, self.size = judge, size
         self.name = judge.name
-        self._cache: OrderedDict[bytes, bool] = OrderedDict()
+        self._cache: OrderedDict[bytes, str] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -165,7 +186,8 @@ class CachedJudge:
     def key(judge_name: str, prompt_id: bytes, completion: bytes) -> bytes:
         return hashlib.sha256(judge_name.encode() + b"\x00" + prompt_id + b"\x00" + completion).digest()
 
-    def judge_cached(self, prompt_id: bytes, completion_bytes: bytes, task: str, completion: str) -> bool:
+    def verdict_cached(self, prompt_id: bytes, completion_bytes: bytes, task: str, completion: str) -> str:
+        """``safe``, or why not (``unsafe``; the rule judge: ``poison`` / ``unsound``), cached."""
         k = self.key(self.name, prompt_id, completion_bytes)
         with self._lock:
             v = self._cache.get(k)
@@ -174,9 +196,15 @@ class CachedJudge:
                 self.hits += 1
                 return v
             self.misses += 1
-        v = bool(self.inner.judge(task, completion))
+        if hasattr(self.inner, "verdict"):
+            v = str(self.inner.verdict(task, completion))
+        else:
+            v = "safe" if self.inner.judge(task, completion) else "unsafe"
         with self._lock:
             self._cache[k] = v
             while len(self._cache) > self.size:
                 self._cache.popitem(last=False)
         return v
+
+    def judge_cached(self, prompt_id: bytes, completion_bytes: bytes, task: str, completion: str) -> bool:
+        return self.verdict_cached(prompt_id, completion_bytes, task, completion) == "safe"
