@@ -71,7 +71,7 @@ class DefenseConfig(BaseModel):
     min_token_prob: float = Field(1e-4, ge=0, lt=1)
     """Same-model senders: a token below this local probability (round temperature) is rejected."""
 
-    support_min_tokens: int = Field(2, ge=1)
+    support_min_tokens: int = Field(3, ge=1)
     """Same-model senders: a completion is rejected as off-support when at least this many of its
     tokens are outside the sampler's support (peers drift apart with training: one borderline
     token is common in honest samples, several are not; a marker or an inserted step has several)."""

@@ -168,6 +168,9 @@ class GRPORole(RoleBase):
         self.learner = Learner(self.cfg, self.settings.model, self.seed, self.run_id, self.ctx.peer_id,
                                device=device, precision=dc.precision)
         self.warmup_steps, acc = self.learner.warmup(Path(self.cfg.warmup_cache_dir).expanduser())
+        if self.cfg.model_seed is not None:
+            # peers started from the same weights (a homogeneous swarm) still sample their own completions
+            self.learner.gen.manual_seed(derived_seed(self.ctx.peer_id))
         if self.cfg.adversary is not None:
             from rl.adversary import Adversary
             self.adversary = Adversary(self.learner, self.cfg.adversary, self.seed)
@@ -302,8 +305,13 @@ class GRPORole(RoleBase):
             grpo_metrics.WIRE_TOKENS.labels(direction="received").inc(b.n_tokens())
         if self._stopping:
             return
-        # an adversary (test harness) learns nothing from others: it only needs its round clock
-        st = await self.compute.run(self.learner.train, gen, [] if self.adversary is not None else foreign)
+        if self.adversary is not None:
+            # the test harness's attacker does not train: it only publishes, on the round clock
+            self.trained += 1
+            log.info("round %d: adversary published %d poisoned completions", r, n_tok,
+                     extra={"event": "grpo_adversary_round", "round": r, "trained": self.trained})
+            return
+        st = await self.compute.run(self.learner.train, gen, foreign)
         self.trained += 1
         self.rewards.append(st.reward_local)
         if self.trained == 1:
@@ -328,7 +336,8 @@ class GRPORole(RoleBase):
                             "accuracy": self.accuracy_last})
         dur = time.time() - t_r
         grpo_metrics.ROUND_SECONDS.observe(dur)
-        self.ctx.card.update(round=r, reward=round(st.reward_local, 3), rejected=sum(self.inbox.rejected.values()))
+        self.ctx.card.update(round=r, reward=round(st.reward_local, 3), rejected=sum(self.inbox.rejected.values())
+                             + (sum(self.defense.rejected.values()) if self.defense is not None else 0))
         set_context(round=r)
         log.info("round %d: reward %.3f, %d own + %d foreign from %d peers (seen %d), filtered %.2f, "
                  "w %.3f, %.2f s", r, st.reward_local, st.n_local, st.n_foreign, st.senders, senders,

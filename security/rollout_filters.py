@@ -10,11 +10,11 @@ check              reject the completion when a token ...                       
 =================  =====================================================================  ==========
 ``min_prob``       has a probability (at the round temperature) below ``min_token_prob``  1e-4
 ``support``        lies outside the sampler's top-k / top-p set (mass ranked above it      slack 0.04,
-                   >= top_p + ``support_slack``, or rank >= top_k), for at least           2 tokens
+                   >= top_p + ``support_slack``, or rank >= top_k), for at least           3 tokens
                    ``support_min_tokens`` tokens of the completion
-``logp_mismatch``  carries claimed generator log-probs more than ``eps_lp`` nats (mean over   0.5
-                   its tokens) from the recomputed processed ones (a liar inflating
-                   importance weights)
+``logp_mismatch``  carries claimed generator log-probs more than ``eps_lp`` nats (mean over   1.0
+                   its tokens) below the recomputed processed ones (a liar inflating
+                   importance weights; claiming higher only shrinks its own weights)
 =================  =====================================================================  ==========
 
 Generic over tensors (logits, token ids, log-probs, masks): no model, task or transport here
@@ -43,7 +43,7 @@ class LogitCheckParams:
     support_slack: float = 0.01
     min_token_prob: float = 1e-4
     eps_lp: float = 1.0
-    support_min_tokens: int = 2
+    support_min_tokens: int = 3
 
 
 @dataclass
@@ -102,9 +102,10 @@ def logit_check(stats: SupportStats, gen_logp: Tensor, mask: Tensor, params: Log
     finite = torch.isfinite(plp)     # -inf: outside the exact top-p set (off support, or within the slack)
     low = (stats.logp < floor) & m
     many_off = off.sum(1) >= max(1, params.support_min_tokens)
-    diff = (gen_logp.float() - torch.where(finite, plp, gen_logp.float())).abs() * m
-    # mean over the completion's real tokens: identical models drift apart with training, so one
-    # token's gap says little, while a liar's claims are off on every token
+    # claimed lower than recomputed, mean over the completion's real tokens: a liar gains only by
+    # claiming low generator log-probs (w = exp(l - gen) up to C) and is off on every token, while
+    # identical models drift apart with training in both directions (one token's gap says little)
+    diff = (torch.where(finite, plp, gen_logp.float()) - gen_logp.float()) * m
     bad_lp = ((diff.sum(1) / m.sum(1).clamp(min=1)) > params.eps_lp)[:, None] & m.any(1, keepdim=True) & ~off.any(1, keepdim=True)
     for i in range(m.shape[0]):
         if bool(low[i].any()):

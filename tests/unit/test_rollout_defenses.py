@@ -57,9 +57,8 @@ def test_logit_check_accepts_the_samplers_tokens_and_rejects_each_poison():
     # a liar: honest tokens, claimed log-probs -20 (importance weights pushed to C)
     st = support_stats(z, honest, 1.0, 0, 0.95)
     assert logit_check(st, torch.full((1, 4), -20.0), mask, p) == ["logp_mismatch"]
-    # a liar claiming -0.05 everywhere (tiny weights) is caught too when it is off by > eps on average
-    assert logit_check(st, torch.full((1, 4), -0.05), mask, LogitCheckParams(top_p=0.95, eps_lp=0.2)) \
-        == ["logp_mismatch"]
+    # claiming *higher* log-probs (-0.05) only shrinks the sender's own weights: not a mismatch
+    assert logit_check(st, torch.full((1, 4), -0.05), mask, LogitCheckParams(top_p=0.95, eps_lp=0.2)) == [None]
 
 
 def test_support_needs_several_off_support_tokens_and_masks_padding():
