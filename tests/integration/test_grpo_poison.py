@@ -71,8 +71,9 @@ def test_attacker_is_banned_and_honest_peers_keep_learning(tmp_path):
     for p in honest:
         assert [b["sender"] for b in bans[p.name]] == [attacker.peer_id]
         banned = _events(p, "grpo_sender_banned")
+        # banned within a few rounds of the first (32 checked completions; the attacker may start late)
         assert [b["sender"] for b in banned] == [attacker.peer_id] and banned[0]["round"] <= \
-            _events(p, "grpo_round_done")[0]["round"] + 2
+            _events(p, "grpo_round_done")[0]["round"] + 5
         fin = _events(p, "training_finished")[0]
         assert fin["marker_rates"][" !!"] == 0.0, fin
         senders = fin["senders"]
