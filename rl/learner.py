@@ -16,6 +16,9 @@ prompt, rewards recomputed here from the token ids), `rescore` (the one teacher-
 under the local policy: it serves the gradient, F-TIS and, through ``filters``, content checks
 such as a logit check), then the loss and one optimizer step. A filter is a callable
 ``(mixed, logp) -> bool [N]`` (True = keep); dropped rows leave the advantages and the loss.
+``Learner.defense`` (rl/defense.py, set by the role; None = none) admits foreign batches (rate
+bans, token budgets) before the mix and checks the foreign rows after the re-scoring forward,
+whose logits also give the logit / support check its statistics (no second forward).
 
 Foreign batches must already be validated (rl/rollout.check, signature): this module trusts
 their shape, never their content. Every method touching the model runs on the caller's thread
@@ -44,6 +47,7 @@ from rl.ftis import FTISParams, ftis_loss
 from rl.grpo_config import GRPOConfig
 from rl.rollout import Completion, PromptGroup, RolloutBatch
 from rl.tasks import STOP, Prompt, make_task
+from security.rollout_filters import support_stats
 
 EVAL_SEED = 12345          # sampling seed of the accuracy metric (same weights -> same figure)
 
@@ -296,7 +300,6 @@ class Learner:
             with autocast(dev, self.precision):
                 return rescore(self.model, q, m.tokens.to(dev), self.train_mask(m).to(dev), m.group.to(dev),
                                self.cfg.temperature)
-        from security.rollout_filters import support_stats
         tokens, mask = m.tokens.to(dev), self.train_mask(m).to(dev)
         N, L = tokens.shape
         p_ids, p_valid = _left_pad([q[int(i)] for i in m.group], dev)
