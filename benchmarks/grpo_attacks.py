@@ -45,7 +45,6 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # allow `python benchmarks/grpo_attacks.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DEBUG = False
 MODES = ("inject", "edit", "inject+fake_logp", "verbose", "collude")
 SWARMS = ("homogeneous", "heterogeneous")
 TARGETS = {"attack_success_without_defense": (">=", 0.9), "attack_success_with_defense": ("<=", 0.05),
@@ -61,8 +60,8 @@ GRPO: dict[str, Any] = {"max_operand": 5, "top_p": 0.95, "max_completion_tokens"
 round lets an undefended injection take hold within tens of rounds on these tiny models; top-p
 0.95 gives the support check a support to check (with top_p = 1 it is empty)."""
 
-QUICK = {"rounds": 40, "seeds": 1,
-         "runs": [(m, "homogeneous") for m in MODES] + [(m, "heterogeneous") for m in ("inject", "edit", "verbose")]}
+QUICK = {"rounds": 32, "seeds": 1,
+         "runs": [(m, "homogeneous") for m in MODES] + [(m, "heterogeneous") for m in ("inject", "edit")]}
 FULL = {"rounds": 100, "seeds": 3, "runs": [(m, s) for s in SWARMS for m in MODES]}
 
 
@@ -151,7 +150,6 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
                     continue
                 foreign.append(b)
             st = L.train(gens[i], foreign)
-            if DEBUG and i == 0: print(r, st.n_foreign, st.rejected_by, flush=True)
             att_tokens.append(sum(v for s_, v in st.foreign_tokens.items() if s_ in att_ids))
         train_s.append(time.perf_counter() - t0)
     end = [L.evaluate(None, markers) for L in honest]
@@ -305,8 +303,8 @@ def run(quick: bool, out: Path, seeds: int | None = None, rounds: int | None = N
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 seed, 40 rounds, homogeneous all modes + "
-                                                         "heterogeneous inject/edit/verbose (< 5 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 32 rounds, homogeneous all modes + "
+                                                         "heterogeneous inject/edit (< 5 min on 2 cores)")
     ap.add_argument("--out", type=Path, required=True, help="JSON result file")
     ap.add_argument("--seeds", type=int, default=None, help="seeds (full: 3)")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per run")

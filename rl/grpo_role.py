@@ -329,8 +329,10 @@ class GRPORole(RoleBase):
         record_train_step(st.loss, st.tokens, gen.seconds + st.seconds)
         if cfg.eval_every and self.trained % cfg.eval_every == 0 and \
                 not (cfg.exit_after_rounds and self.trained >= cfg.exit_after_rounds):
-            self.accuracy_last = await self.compute.run(self.learner.accuracy)
+            markers = tuple(asr_markers(self.cfg.adversary or AdversaryConfig(mode="inject+edit")))
+            self.accuracy_last, rates, _ = await self.compute.run(self.learner.evaluate, None, markers)
             grpo_metrics.ACCURACY.set(self.accuracy_last)
+            grpo_metrics.MARKER_RATE.set(max(rates.values(), default=0.0))
             log.info("round %d: held-out accuracy %.3f after %d rounds", r, self.accuracy_last, self.trained,
                      extra={"event": "grpo_eval", "round": r, "trained": self.trained,
                             "accuracy": self.accuracy_last})
