@@ -22,8 +22,9 @@ The top-level ``summary``:
                                    (and seeds), defenses off                 target >= 0.9 (harness is real)
   attack_success_with_defense      the same, defenses on                     target <= 0.05
   honest_false_reject_rate         honest senders' completions rejected / checked, defended runs   <= 0.05
-  by_mode, attacker_ban_round, dos (tokens trained from the verbose attacker per round, off/on,
-  its budget, honest length ratio), cost_s_per_round (off/on) and the judge used.
+  by_mode, attacker_ban_round, dos (tokens trained from the verbose attacker per round: no defense,
+  token budget only (``defense.kind = "off"``: no content check, no ban), full defenses; its budget;
+  honest held-out length ratio end / start), cost_s_per_round (off/on) and the judge used.
 
 Commands (2 CPU cores; repository root, venv active)::
 
@@ -122,8 +123,11 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
         attackers.append(Adversary(A, adv_cfg, seed=seed + j))
     markers = _marker_of(mode)
     start = [L.evaluate(None, markers) for L in honest]
+    budget_cfg = cfg.model_copy(update={"defense": cfg.defense.model_copy(update={"kind": "off"})})
     for L in honest:
-        L.defense = Defense(cfg, L.model_id, L.policy.decode) if defended else None
+        # defended == "budget": no content check and no ban, only the per-sender token budget (DoS)
+        L.defense = (Defense(budget_cfg if defended == "budget" else cfg, L.model_id, L.policy.decode)
+                     if defended else None)
     ex_base = dict(run=run_id, tokenizer_hash=honest[0].tokenizer_hash, temperature=cfg.temperature,
                    vocab_size=honest[0].policy.vocab_size, max_tokens=cfg.max_completion_tokens,
                    max_completions_per_group=64, config_hash=honest[0].config_hash)
@@ -203,8 +207,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     by_mode: dict[str, Any] = {}
     for r in runs:
         key = f"{r['mode']}/{r['swarm']}"
-        d = by_mode.setdefault(key, {"off": [], "on": []})
-        d["on" if r["defense"] else "off"].append(r)
+        d = by_mode.setdefault(key, {"off": [], "on": [], "budget": []})
+        d["budget" if r["defense"] == "budget" else "on" if r["defense"] else "off"].append(r)
     table = {}
     for key, d in by_mode.items():
         table[key] = {
@@ -218,6 +222,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "attacker_ban_round_on": [b for r in d["on"] for b in r["attacker_ban_rounds"]],
             "attacker_tokens_per_round_off": mean([r["attacker_tokens_per_round"] for r in d["off"]]),
             "attacker_tokens_per_round_on": mean([r["attacker_tokens_per_round"] for r in d["on"]]),
+            "attacker_tokens_per_round_budget_only": mean([r["attacker_tokens_per_round"] for r in d["budget"]]),
+            "attacker_tokens_per_round_budget_only_max": max([r["attacker_tokens_per_round_max"] for r in d["budget"]],
+                                                             default=None),
+            "accuracy_end_budget_only": mean([r["accuracy_end"] for r in d["budget"]]),
             "train_s_per_round_off": mean([r["train_s_per_round"] for r in d["off"]]),
             "train_s_per_round_on": mean([r["train_s_per_round"] for r in d["on"]]),
         }
@@ -226,7 +234,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     on = [v["attack_success_on"] for v in non_dos.values() if v["attack_success_on"] is not None]
     inject_off = [v["attack_success_off"] for k, v in table.items() if k.startswith("inject/")
                   and v["attack_success_off"] is not None]
-    defended = [r for r in runs if r["defense"]]
+    defended = [r for r in runs if r["defense"] is True]
     verbose = {k: v for k, v in table.items() if k.startswith("verbose/")}
     judges = sorted({p["judge"] for r in defended for p in r["peers"] if p["judge"]})
     summary = {
@@ -241,15 +249,22 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "attacker_ban_round": {k: v["attacker_ban_round_on"] for k, v in table.items()},
         "dos": {k: {"attacker_tokens_trained_per_round_off": v["attacker_tokens_per_round_off"],
                     "attacker_tokens_trained_per_round_on": v["attacker_tokens_per_round_on"],
+                    "attacker_tokens_trained_per_round_budget_only": v["attacker_tokens_per_round_budget_only"],
+                    "attacker_tokens_trained_max_round_budget_only": v["attacker_tokens_per_round_budget_only_max"],
+                    "accuracy_end": {"off": v["accuracy_end_off"], "budget_only": v["accuracy_end_budget_only"],
+                                     "on": v["accuracy_end_on"]},
                     "sender_token_budget": next((r["token_budget"] for r in runs), None),
                     "dos_length_ratio_off": mean([p["heldout_len_end"] / p["heldout_len_start"]
                                                   for r in runs if f"{r['mode']}/{r['swarm']}" == k
                                                   and not r["defense"] for p in r["peers"]]),
+                    "dos_length_ratio_budget_only": mean([p["heldout_len_end"] / p["heldout_len_start"]
+                                                          for r in runs if f"{r['mode']}/{r['swarm']}" == k
+                                                          and r["defense"] == "budget" for p in r["peers"]]),
                     "dos_length_ratio_on": mean([p["heldout_len_end"] / p["heldout_len_start"]
                                                  for r in runs if f"{r['mode']}/{r['swarm']}" == k
-                                                 and r["defense"] for p in r["peers"]])}
+                                                 and r["defense"] is True for p in r["peers"]])}
                 for k, v in verbose.items()},
-        "cost_s_per_round": {"without_defense": mean([r["train_s_per_round"] for r in runs if not r["defense"]]),
+        "cost_s_per_round": {"without_defense": mean([r["train_s_per_round"] for r in runs if r["defense"] is False]),
                              "with_defense": mean([r["train_s_per_round"] for r in defended])},
         "judge": {"heterogeneous": judges or None, "homogeneous": "logit/support check (no judge call)",
                   "note": "arith = deterministic rule judge (grammar + every step true), security/judge.py"},
@@ -278,13 +293,13 @@ def run(quick: bool, out: Path, seeds: int | None = None, rounds: int | None = N
         warm |= {(100 * seed + i, s) for i, s in enumerate(HETERO_SIZES)}
         warm |= {(100 * seed + 50 + j, ATTACKER_SIZE) for j in range(2)}
     jobs = [(m, s, d, seed, p["rounds"], cache) for seed in range(p["seeds"]) for (m, s) in p["runs"]
-            for d in (False, True)]
+            for d in ((False, True, "budget") if m == "verbose" else (False, True))]
     with ProcessPoolExecutor(workers) as pool:
         list(pool.map(_prewarm, [(w, s, cache) for w, s in sorted(warm)]))
         print(f"warm-up done in {time.monotonic() - t0:.0f} s", flush=True)
         runs = []
         for res in pool.map(run_one, jobs):
-            print(f"{res['mode']:>16} {res['swarm']:>13} defense={'on ' if res['defense'] else 'off'} seed {res['seed']}: "
+            print(f"{res['mode']:>16} {res['swarm']:>13} defense={'budget' if res['defense'] == 'budget' else 'on' if res['defense'] else 'off'} seed {res['seed']}: "
                   f"attack success {res['attack_success']:.3f}, accuracy {res['accuracy_start']:.3f} -> "
                   f"{res['accuracy_end']:.3f}, honest rejected {res['honest_rejected']}/{res['honest_checked']}, "
                   f"ban rounds {res['attacker_ban_rounds']} ({res['wall_s']:.0f} s)", flush=True)
