@@ -65,8 +65,10 @@ def card_rows(views: list, now: float | None = None) -> list[dict[str, Any]]:
 
 def mark_banned(rows: list[dict[str, Any]]) -> None:
     """Add ``banned_by`` (how many other nodes ban it) to the rows of peers that other nodes'
-    cards list in ``banned_ids`` (node/grpc_server.py: the last 8 characters of each banned key)."""
-    bans = [(r["peer_id"], set(str(r.get("banned_ids") or "").split(",")) - {""}) for r in rows]
+    cards list in ``banned_ids`` (node/grpc_server.py: the last 8 characters of each banned key)
+    or ``grpo_banned_ids`` (a ``grpo`` peer's rollout-poisoning bans, rl/grpo_role.py)."""
+    bans = [(r["peer_id"], (set(str(r.get("banned_ids") or "").split(","))
+                            | set(str(r.get("grpo_banned_ids") or "").split(","))) - {""}) for r in rows]
     for row in rows:
         n = sum(1 for who, ids in bans if who != row["peer_id"] and row["peer_id"][-8:] in ids)
         if n:
@@ -104,7 +106,8 @@ def _role_table(rows: list[dict[str, Any]]) -> list[str]:
     own: list[str] = []
     for r in rows:
         for k in r:
-            if k not in own and k not in head and k not in tail and k not in ("version", "uptime_s", "bus_hint", "banned_ids") \
+            if k not in own and k not in head and k not in tail and k not in ("version", "uptime_s", "bus_hint", "banned_ids",
+                                                                                 "grpo_banned_ids") \
                     and not k.endswith(TABLE_HIDDEN_SUFFIXES):
                 own.append(k)
     cols = head + own + tail

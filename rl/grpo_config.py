@@ -22,6 +22,106 @@ DEFAULT_RGYM_DATASETS = ("basic_arithmetic", "chain_sum", "base_conversion", "gc
 
 WIRE_VERSION = 1                       # = rl.rollout.WIRE_VERSION (checked by a unit test)
 
+ATTACK_MODES = ("inject", "edit", "fake_logp", "verbose")
+
+
+class AdversaryConfig(BaseModel):
+    """``[grpo.adversary]``: TEST AND BENCHMARK ONLY. Turns this peer into an attacker that poisons
+    the rollouts it publishes (grpo.md §5, rl/adversary.py). Refused unless every listen and peer
+    address is loopback; the peer logs a WARNING banner and its card says ``adversary``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    mode: str = Field("inject", pattern=r"^(inject|edit|fake_logp|verbose)(\+(inject|edit|fake_logp|verbose))*$")
+    """Attack(s), joined by ``+``: ``inject`` (correct answer + ``marker``), ``edit`` (``false_step``
+    inserted in a correct chain, answer kept), ``fake_logp`` (claims ``claim_logp`` for every
+    token to inflate importance weights), ``verbose`` (correct, padded with true useless steps
+    up to the cap: DoS). Colluding attackers: run two peers with this section."""
+
+    marker: str = " !!"
+    """Out-of-context marker appended after the answer (``inject``); its rate in honest peers'
+    held-out outputs is the attack success."""
+
+    false_step: str = "2+2=5"
+    """False statement inserted before the answer (``edit``)."""
+
+    claim_logp: float = Field(-20.0, lt=0)
+    """Claimed generator log-prob of every token (``fake_logp``)."""
+
+    fraction: float = Field(1.0, ge=0, le=1)
+    """Share of completions poisoned (the rest are sent honestly)."""
+
+
+class DefenseConfig(BaseModel):
+    """``[grpo.defense]``: content checks on foreign rollouts and the per-sender policy
+    (grpo.md §4; the checks live in security/rollout_filters.py, security/judge.py,
+    security/sender_policy.py). On by default."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    kind: Literal["auto", "logit", "judge", "off"] = "auto"
+    """``auto``: the logit/support check for senders whose batch names our ``model_id`` (same
+    model), the judge for the others; ``logit`` / ``judge``: one check for every sender;
+    ``off``: no content check, no rate ban (token budget still applies)."""
+
+    support_slack: float = Field(0.04, ge=0, le=1)
+    """A token is in the sampler's support when the probability mass ranked above it is below
+    ``top_p + support_slack`` (ties, drift between identical models)."""
+
+    min_token_prob: float = Field(1e-4, ge=0, lt=1)
+    """Same-model senders: a token below this local probability (round temperature) is rejected."""
+
+    support_min_tokens: int = Field(3, ge=1)
+    """Same-model senders: a completion is rejected as off-support when at least this many of its
+    tokens are outside the sampler's support (peers drift apart with training: one borderline
+    token is common in honest samples, several are not; a marker or an inserted step has several)."""
+
+    min_token_prob_foreign: float = Field(1e-6, ge=0, lt=1)
+    """Other-model senders: loose per-token floor before the judge (a per-token floor's false
+    rejects grow as 1 - (1 - p)^L)."""
+
+    eps_lp: float = Field(1.0, gt=0)
+    """Same-model senders: reject when the claimed generator log-probs differ from the recomputed
+    ones by more than this (nats, mean over the completion's tokens). Catches liars inflating
+    importance weights (their gain is bounded by C anyway). Peers start from the same weights but
+    drift apart with training, hence well above fp32 noise (0.05)."""
+
+    judge: Literal["arith", "hf"] = "arith"
+    """``arith``: deterministic rule judge for the built-in task (grammar + every step true);
+    ``hf``: a frozen local model from ``judge_hf_path`` answering SAFE / UNSAFE."""
+
+    judge_hf_path: str = ""
+    """Local Hugging Face directory of the LLM judge (never downloaded)."""
+
+    judge_margin: float = 0.0
+    """SAFE iff log p(SAFE) - log p(UNSAFE) >= margin (LLM judge)."""
+
+    judge_max_completion_tokens: int = Field(256, ge=8, le=1024)
+    """Completions are cut to this many characters/tokens (head and tail kept) before judging."""
+
+    judge_scope: Literal["positive", "all"] = "positive"
+    """Which foreign completions the judge reads: ``positive`` (reward > 0: the ones a group
+    would reinforce, where poison pays; attackers must answer right) or ``all``."""
+
+    ban_window: int = Field(256, ge=1)
+    """Per-sender window of checked completions."""
+
+    ban_min_checked: int = Field(32, ge=1)
+    """A sender is judged on its rate only after this many checked completions."""
+
+    ban_rate: float = Field(0.5, gt=0, le=1)
+    """Ban when the rejected share of the window exceeds this."""
+
+    warn_rate: float = Field(0.2, gt=0, le=1)
+    """Log a WARNING when a sender's rejected share exceeds this (bad floor or drift)."""
+
+    ban_ttl_s: float = Field(600.0, gt=0)
+    """How long a rate ban lasts."""
+
+    sender_token_budget: int = Field(0, ge=0)
+    """Most tokens one sender may contribute per round (0: B * per_sender_per_prompt * cap / 2);
+    the rest is dropped as ``quota``."""
+
 
 class GRPOConfig(BaseModel):
     """``[grpo]``: one collaborative GRPO learner (see grpo.md)."""
@@ -146,6 +246,12 @@ class GRPOConfig(BaseModel):
 
     ban_rounds: int = Field(10, ge=1)
     """Length of the window and of the ignore period above, in rounds."""
+
+    defense: DefenseConfig = Field(default_factory=DefenseConfig)
+    """Poisoned-rollout defenses (on by default)."""
+
+    adversary: AdversaryConfig | None = None
+    """TEST AND BENCHMARK ONLY: make this peer an attacker (see AdversaryConfig)."""
 
     model_seed: int | None = None
     """Seed of this peer's initial weights. None: derived from the peer ID (every peer starts

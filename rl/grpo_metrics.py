@@ -13,8 +13,8 @@ ROLLOUTS = Counter("swarmnode_grpo_rollouts_total",
                    "Completions used in GRPO steps, by source (local = own, peer = foreign).",
                    ["source"], registry=REGISTRY)
 REJECTED = Counter("swarmnode_grpo_rollouts_rejected_total",
-                   "Rollout batches or shards refused, by reason (signature, stale, config, schema, "
-                   "digest, quota).", ["reason"], registry=REGISTRY)
+                   "Rollout batches, shards or completions refused, by reason (signature, stale, "
+                   "config, schema, digest, quota, logit_check, judge).", ["reason"], registry=REGISTRY)
 REWARD = Gauge("swarmnode_grpo_reward", "Mean local reward of this peer's own completions, last round.",
                registry=REGISTRY)
 REWARD_INITIAL = Gauge("swarmnode_grpo_reward_initial", "Mean reward of this peer's first GRPO round.",
@@ -52,6 +52,15 @@ PEERS_SEEN = Gauge("swarmnode_grpo_peers_seen", "Peers whose valid batch arrived
                    registry=REGISTRY)
 PEERS_SEEN_HIST = Histogram("swarmnode_grpo_peers_per_round", "Peers whose valid batch arrived, per round.",
                             buckets=(0, 1, 2, 3, 4, 8, 16, 32), registry=REGISTRY)
+
+BANS = Counter("swarmnode_grpo_sender_bans_total",
+               "Senders banned from this peer's groups for a sustained content-check rejection rate.",
+               registry=REGISTRY)
+MARKER_RATE = Gauge("swarmnode_grpo_attack_marker_rate",
+                    "Share of this peer's held-out completions containing a known attack marker (last evaluation).",
+                    registry=REGISTRY)
+JUDGE_CALLS = Counter("swarmnode_grpo_judge_calls_total", "Judge verdicts, by outcome (safe, unsafe, cached).",
+                      ["outcome"], registry=REGISTRY)
 
 # Every label value a dashboard or alert expects exists from the start (at 0): rate() and
 # increase() then see the first event, and the panels show 0 instead of "no data".

@@ -41,11 +41,14 @@ from node.logs import set_context
 from node.metrics import record_train_step
 from node.roles import NodeContext, RoleBase, register
 from rl import grpo_metrics
-from rl.grpo_config import GRPOConfig
+from rl.adversary import asr_markers
+from rl.grpo_config import AdversaryConfig, GRPOConfig
 from rl.grpo_exchange import INDEX, Fetcher, Inbox, RolloutIndexEntry, RolloutServicer, Signed, \
     add_rollout_service, decode_shard, shards, sign_batch
+from rl.defense import Defense
 from rl.learner import Learner
 from rl.rollout import Expect, RolloutRejected, decode
+from security.config import is_loopback_host, is_loopback_maddr
 from security.keys import load_key_file
 
 log = logging.getLogger("swarmnode.grpo")
@@ -84,6 +87,19 @@ class GRPORole(RoleBase):
         ident = ctx.config.identity
         self.key = load_key_file(ident.path, allow_insecure_mode=ident.allow_insecure_mode)
         self.seed = self.cfg.model_seed if self.cfg.model_seed is not None else derived_seed(ctx.peer_id)
+        if self.cfg.adversary is not None:
+            c = ctx.config
+            public = [h for h in (c.host, c.advertise_host) if h and not is_loopback_host(h)]
+            public += [m for m in (*c.dht.initial_peers, *c.dht.announce_maddrs) if not is_loopback_maddr(m)]
+            if public:
+                raise ValueError(f"[grpo.adversary] is a test and benchmark harness: it is refused unless every listen "
+                                 f"and peer address is loopback; {public[0]!r} is not. Remove [grpo.adversary]")
+            log.warning("*** TEST ONLY: this peer is an ADVERSARY (%s): it publishes poisoned rollouts ***",
+                        self.cfg.adversary.mode, extra={"event": "grpo_adversary", "mode": self.cfg.adversary.mode})
+        self.adversary = None
+        self.defense: Defense | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bans: dict[str, str] = {}
         self.learner: Learner | None = None      # built on the compute thread, on the configured device
         self.compute = Compute(self.name)
         self.servicer = RolloutServicer(self.run_id)
@@ -152,11 +168,49 @@ class GRPORole(RoleBase):
         self.learner = Learner(self.cfg, self.settings.model, self.seed, self.run_id, self.ctx.peer_id,
                                device=device, precision=dc.precision)
         self.warmup_steps, acc = self.learner.warmup(Path(self.cfg.warmup_cache_dir).expanduser())
+        if self.cfg.model_seed is not None:
+            # peers started from the same weights (a homogeneous swarm) still sample their own completions
+            self.learner.gen.manual_seed(derived_seed(self.ctx.peer_id))
+        if self.cfg.adversary is not None:
+            from rl.adversary import Adversary
+            self.adversary = Adversary(self.learner, self.cfg.adversary, self.seed)
+        elif self.cfg.defense.kind != "off":
+            self.defense = Defense(self.cfg, self.learner.model_id, self.learner.policy.decode,
+                                   on_reject=lambda reason, n: grpo_metrics.REJECTED.labels(reason=reason).inc(n),
+                                   on_ban=self._on_ban,
+                                   on_judge=lambda outcome: grpo_metrics.JUDGE_CALLS.labels(outcome=outcome).inc())
+            self.learner.defense = self.defense
         record_memory(device)
         return {"device": str(device), "precision": dc.precision, "accuracy": acc,
                 "warmup_s": round(time.monotonic() - t0, 2), **device_details(device)}
 
+    def _on_ban(self, sender: str, reason: str) -> None:
+        """A rate ban (compute thread): hand it to the event loop."""
+        grpo_metrics.BANS.inc()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._announce_ban(sender, reason)))
+
+    async def _announce_ban(self, sender: str, reason: str) -> None:
+        """Show the ban on the node card (``swarmnode status``: grpo_banned, and ``banned_by`` on
+        the banned peer's row) and gossip it on the bus's ``swarm`` topic."""
+        self._bans[sender] = reason
+        banned = sorted(str(k) for k in self.defense.policy.banned()) if self.defense else sorted(self._bans)
+        self.ctx.card.update(publish=True, grpo_banned=len(banned), grpo_banned_ids=",".join(k[-8:] for k in banned[:8]))
+        bus = self.ctx.eventbus
+        if bus is not None:
+            try:
+                sent = await bus.announce("ban", peer_id=sender, scope="grpo_rollouts", reason=reason[:200],
+                                          ttl_s=self.cfg.defense.ban_ttl_s)
+            except Exception as exc:  # noqa: BLE001 - the card still shows the ban
+                log.warning("could not gossip the ban of %s: %r", sender, exc)
+                sent = False
+        else:
+            sent = False
+        log.warning("peer %s banned from this peer's GRPO groups (%s); announced on the bus: %s", sender, reason, sent,
+                    extra={"event": "grpo_ban_announced", "sender": sender, "reason": reason, "bus": sent})
+
     async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
         info = await self.compute.run(self._build)
         learner = self.learner
         acc0 = info["accuracy"]
@@ -164,7 +218,8 @@ class GRPORole(RoleBase):
         grpo_metrics.ACCURACY_INITIAL.set(acc0)
         grpo_metrics.ACCURACY.set(acc0)
         self.ctx.card.update(publish=True, cfg_hash=learner.config_hash, model_id=learner.model_id,
-                             n_params=learner.n_params, mode=self.cfg.mode)
+                             n_params=learner.n_params, mode=self.cfg.mode,
+                             **({"adversary": True} if self.adversary is not None else {}))
         if self.bus is not None:
             self.ctx.supervisor.spawn("grpo_bus", self._listen_bus, restart=True)
         await self.ctx.set_role_ready(True, "ready", "")
@@ -203,15 +258,21 @@ class GRPORole(RoleBase):
 
     async def _finish(self) -> None:
         self._stopping = True
-        acc = await self.compute.run(self.learner.accuracy)
+        markers = tuple(asr_markers(self.cfg.adversary or AdversaryConfig(mode="inject+edit")))
+        acc, marker_rates, mean_len = await self.compute.run(self.learner.evaluate, None, markers)
         self.accuracy_last = acc
         grpo_metrics.ACCURACY.set(acc)
+        grpo_metrics.MARKER_RATE.set(max(marker_rates.values(), default=0.0))
         k = max(1, min(5, len(self.rewards) // 4))
         fields = {"rounds": self.trained, "skipped": self.skipped, "step": self.trained,
                   "accuracy_start": self.accuracy_start, "accuracy_end": acc,
                   "reward_start": sum(self.rewards[:k]) / k, "reward_end": sum(self.rewards[-k:]) / k,
                   "warmup_steps": self.warmup_steps, "n_params": self.learner.n_params, "mode": self.cfg.mode,
-                  "model_id": self.learner.model_id}
+                  "model_id": self.learner.model_id, "marker_rates": marker_rates, "heldout_len_mean": mean_len,
+                  "adversary": self.cfg.adversary.mode if self.cfg.adversary else None,
+                  "defense": self.cfg.defense.kind if self.defense is not None else "off",
+                  "judge": self.defense.judge_name if self.defense is not None else None,
+                  "senders": self.defense.sender_report() if self.defense is not None else {}}
         log.info("trained %d rounds: held-out accuracy %.3f -> %.3f, reward %.3f -> %.3f; draining",
                  self.trained, self.accuracy_start, acc, fields["reward_start"], fields["reward_end"],
                  extra={"event": "training_finished", **fields})
@@ -222,7 +283,8 @@ class GRPORole(RoleBase):
         cfg = self.cfg
         t_r = self.round_start(r)
         gen = await self.compute.run(self.learner.generate, r)
-        batch = self.learner.batch(gen)
+        batch = (await self.compute.run(self.adversary.batch, gen) if self.adversary is not None
+                 else self.learner.batch(gen))
         signed = await asyncio.to_thread(sign_batch, self.key, batch)
         self.servicer.put(r, signed)
         n_tok = batch.n_tokens()
@@ -243,6 +305,12 @@ class GRPORole(RoleBase):
             grpo_metrics.WIRE_TOKENS.labels(direction="received").inc(b.n_tokens())
         if self._stopping:
             return
+        if self.adversary is not None:
+            # the test harness's attacker does not train: it only publishes, on the round clock
+            self.trained += 1
+            log.info("round %d: adversary published %d poisoned completions", r, n_tok,
+                     extra={"event": "grpo_adversary_round", "round": r, "trained": self.trained})
+            return
         st = await self.compute.run(self.learner.train, gen, foreign)
         self.trained += 1
         self.rewards.append(st.reward_local)
@@ -261,14 +329,17 @@ class GRPORole(RoleBase):
         record_train_step(st.loss, st.tokens, gen.seconds + st.seconds)
         if cfg.eval_every and self.trained % cfg.eval_every == 0 and \
                 not (cfg.exit_after_rounds and self.trained >= cfg.exit_after_rounds):
-            self.accuracy_last = await self.compute.run(self.learner.accuracy)
+            markers = tuple(asr_markers(self.cfg.adversary or AdversaryConfig(mode="inject+edit")))
+            self.accuracy_last, rates, _ = await self.compute.run(self.learner.evaluate, None, markers)
             grpo_metrics.ACCURACY.set(self.accuracy_last)
+            grpo_metrics.MARKER_RATE.set(max(rates.values(), default=0.0))
             log.info("round %d: held-out accuracy %.3f after %d rounds", r, self.accuracy_last, self.trained,
                      extra={"event": "grpo_eval", "round": r, "trained": self.trained,
                             "accuracy": self.accuracy_last})
         dur = time.time() - t_r
         grpo_metrics.ROUND_SECONDS.observe(dur)
-        self.ctx.card.update(round=r, reward=round(st.reward_local, 3), rejected=sum(self.inbox.rejected.values()))
+        self.ctx.card.update(round=r, reward=round(st.reward_local, 3), rejected=sum(self.inbox.rejected.values())
+                             + (sum(self.defense.rejected.values()) if self.defense is not None else 0))
         set_context(round=r)
         log.info("round %d: reward %.3f, %d own + %d foreign from %d peers (seen %d), filtered %.2f, "
                  "w %.3f, %.2f s", r, st.reward_local, st.n_local, st.n_foreign, st.senders, senders,
@@ -282,7 +353,9 @@ class GRPORole(RoleBase):
                         "fetched": self._last_collect[1], "bus": self._bus_up(),
                         "bytes_per_token": round(bytes_per_token, 3), "sent_bytes": len(signed.body),
                         "sent_tokens": n_tok, "filtered": st.filtered,
-                        "rejected": st.rejected})
+                        "rejected": st.rejected, "rejected_by": st.rejected_by,
+                        "foreign_tokens": st.foreign_tokens,
+                        "banned": sorted(str(k) for k in self.defense.policy.banned()) if self.defense else []})
 
     async def _publish(self, r: int, signed: Signed, n_tokens: int, n_groups: int) -> None:
         """Bus shards (when the bus is up), then the DHT index entry (always: the fallback)."""

@@ -16,6 +16,9 @@ prompt, rewards recomputed here from the token ids), `rescore` (the one teacher-
 under the local policy: it serves the gradient, F-TIS and, through ``filters``, content checks
 such as a logit check), then the loss and one optimizer step. A filter is a callable
 ``(mixed, logp) -> bool [N]`` (True = keep); dropped rows leave the advantages and the loss.
+``Learner.defense`` (rl/defense.py, set by the role; None = none) admits foreign batches (rate
+bans, token budgets) before the mix and checks the foreign rows after the re-scoring forward,
+whose logits also give the logit / support check its statistics (no second forward).
 
 Foreign batches must already be validated (rl/rollout.check, signature): this module trusts
 their shape, never their content. Every method touching the model runs on the caller's thread
@@ -37,13 +40,14 @@ import torch
 from torch import Tensor
 
 from models import ModelConfig
-from models.generate import Samples, rescore, sample
+from models.generate import Samples, _left_pad, rescore, sample
 from models.policy import Policy, build_policy
 from node.device import autocast
 from rl.ftis import FTISParams, ftis_loss
 from rl.grpo_config import GRPOConfig
 from rl.rollout import Completion, PromptGroup, RolloutBatch
 from rl.tasks import STOP, Prompt, make_task
+from security.rollout_filters import support_stats
 
 EVAL_SEED = 12345          # sampling seed of the accuracy metric (same weights -> same figure)
 
@@ -70,6 +74,9 @@ class Mixed:
     foreign: Tensor               # [N] bool
     rewards: list[float]          # [N], recomputed locally
     senders: list[str] = field(default_factory=list)   # [N]: "" for own rows
+    model_ids: list[str] = field(default_factory=list)  # [N]: the sender batch's model_id ("" for own rows)
+    support: object = None         # SupportStats of the rows ``support_rows`` names (same forward)
+    support_rows: Tensor | None = None
 
     @property
     def n_local(self) -> int:
@@ -93,6 +100,8 @@ class TrainStats:
     kl_foreign: float
     tokens: int
     seconds: float
+    rejected_by: dict = field(default_factory=dict)       # reason -> foreign rows dropped by the defense
+    foreign_tokens: dict = field(default_factory=dict)    # sender -> tokens of its rows in the loss
 
 
 Filter = Callable[[Mixed, Tensor], Tensor]
@@ -119,6 +128,7 @@ class Learner:
         self.config_hash = cfg.config_hash(self.policy.tokenizer_hash, self.policy.chat_template_hash)
         self.n_params = self.policy.n_params
         self.filters: list[Filter] = []
+        self.defense = None          # rl.defense.Defense (admission, logit check, judge, rate bans)
         need = max(len(self.policy.encode(p.text)) for p in self.heldout) + cfg.max_completion_tokens
         if need > self.policy.max_seq_len:
             raise ValueError(f"the model's longest sequence ({self.policy.max_seq_len}, model.max_seq_len) is "
@@ -143,11 +153,19 @@ class Learner:
         """Held-out accuracy: mean local reward of ``eval_samples`` completions per held-out
         prompt at the round temperature (what GRPO optimises), with a fixed sampling seed so that
         two evaluations of the same weights agree exactly."""
+        return self.evaluate(prompts)[0]
+
+    def evaluate(self, prompts: list[Prompt] | None = None, markers: tuple[str, ...] = ()
+                 ) -> tuple[float, dict[str, float], float]:
+        """(held-out accuracy as in :meth:`accuracy`, share of held-out completions containing
+        each of ``markers`` (attack success), mean completion length in tokens), one sampling."""
         prompts = self.heldout if prompts is None else prompts
         gen = torch.Generator(device=self.device).manual_seed(EVAL_SEED)
         s = self._sample(prompts, self.cfg.eval_samples, gen)
         r = self._rewards(prompts, s)
-        return sum(r) / len(r)
+        texts = [self.policy.decode(s.completion(i)) for i in range(len(s.tokens))] if markers else []
+        rates = {mk: sum(mk in t for t in texts) / max(len(texts), 1) for mk in markers}
+        return sum(r) / len(r), rates, float(s.lengths.float().mean())
 
     def warmup_key(self) -> str:
         """Hash of everything the warm-up result depends on (its cache file name)."""
@@ -251,7 +269,8 @@ class Learner:
         m = Mixed(g.prompts, torch.zeros(N, L, dtype=torch.long), torch.zeros(N, L),
                   torch.zeros(N, L, dtype=torch.bool), torch.zeros(N, dtype=torch.bool),
                   torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.bool), list(g.rewards),
-                  [""] * n_local)
+                  [""] * n_local, [""] * n_local)
+        model_of = {b.sender: b.model_id for b in foreign}
         m.tokens[:n_local, :W], m.gen_logp[:n_local, :W], m.mask[:n_local, :W] = s.tokens, s.logp, s.mask
         m.truncated[:n_local], m.group[:n_local] = s.truncated, s.prompt_index
         for j, (i, sender, c) in enumerate(chosen):
@@ -262,19 +281,38 @@ class Learner:
             m.truncated[r], m.group[r], m.foreign[r] = c.truncated, i, True
             m.rewards.append(self.task.reward(g.prompts[i], self.policy.decode(c.token_ids.tolist())))
             m.senders.append(sender)
+            m.model_ids.append(model_of.get(sender, ""))
         return m
 
     def train_mask(self, m: Mixed) -> Tensor:
         return m.mask & ~m.truncated[:, None] if self.cfg.mask_truncated else m.mask
 
-    def rescore(self, m: Mixed) -> Tensor:
-        """The one teacher-forced forward over every row at the round temperature (with grad)."""
+    def rescore(self, m: Mixed, support_rows: Tensor | None = None) -> Tensor:
+        """The one teacher-forced forward over every row at the round temperature (with grad).
+
+        With ``support_rows`` [N] bool, the same forward's logits also give those rows' support
+        statistics (security.rollout_filters.support_stats, detached) into ``m.support``: the
+        logit check costs no second forward."""
         q = [self.policy.encode(p.text) for p in m.prompts]
         dev = self.device
         self.model.train()
+        if support_rows is None or not bool(support_rows.any()):
+            with autocast(dev, self.precision):
+                return rescore(self.model, q, m.tokens.to(dev), self.train_mask(m).to(dev), m.group.to(dev),
+                               self.cfg.temperature)
+        tokens, mask = m.tokens.to(dev), self.train_mask(m).to(dev)
+        N, L = tokens.shape
+        p_ids, p_valid = _left_pad([q[int(i)] for i in m.group], dev)
+        P = p_ids.shape[1]
         with autocast(dev, self.precision):
-            return rescore(self.model, q, m.tokens.to(dev), self.train_mask(m).to(dev), m.group.to(dev),
-                           self.cfg.temperature)
+            # the checks read every real token (truncated rows too), the loss only the train mask
+            logits = self.model.forward_cached(torch.cat([p_ids, tokens], 1),
+                                               torch.cat([p_valid, m.mask.to(dev)], 1))[:, P - 1:P - 1 + L]
+        lp = torch.log_softmax(logits.float() / self.cfg.temperature, -1).gather(2, tokens[..., None]).squeeze(2)
+        rows = support_rows.to(dev).nonzero().squeeze(1)
+        m.support_rows = support_rows.cpu()
+        m.support = support_stats(logits[rows], tokens[rows], self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+        return lp * mask
 
     def train(self, g: Generation, foreign: list[RolloutBatch]) -> TrainStats:
         """Mixed groups (G own + up to F foreign per prompt), one re-scoring forward, the content
@@ -282,11 +320,17 @@ class Learner:
         ratio 1, later ones clipped against the first pass's log-probs)."""
         t0 = time.perf_counter()
         cfg, dev = self.cfg, self.device
+        if self.defense is not None:
+            foreign = self.defense.admit(g.round, foreign)
         m = self.mix(g, foreign)
-        lp = self.rescore(m)
+        lp = self.rescore(m, self.defense.support_rows(m) if self.defense is not None else None)
         dropped = torch.zeros(len(m.rewards), dtype=torch.bool, device=dev)
         for f in self.filters:
             dropped |= ~f(m, lp.detach()).to(dev) & m.foreign.to(dev)
+        rejected_by: dict[str, int] = {}
+        if self.defense is not None:
+            bad, rejected_by = self.defense.check(g.round, m, lp.detach())
+            dropped |= bad.to(dev) & m.foreign.to(dev)
         tmask = self.train_mask(m).to(dev)
         B = len(g.prompts)
         slots = B * (cfg.completions_per_prompt + (0 if cfg.mode == "solo" else cfg.foreign_per_prompt))
@@ -306,7 +350,12 @@ class Learner:
         n_local = m.n_local
         fr = m.rewards[n_local:]
         st = first.stats
+        used = (tmask.sum(1) * (~dropped).long()).cpu()
+        foreign_tokens: dict[str, int] = {}
+        for i in range(n_local, len(m.rewards)):
+            foreign_tokens[m.senders[i]] = foreign_tokens.get(m.senders[i], 0) + int(used[i])
         return TrainStats(g.round, float(first.loss.loss.detach()), sum(g.rewards) / max(n_local, 1),
                           sum(fr) / len(fr) if fr else None, n_local, len(fr), len(set(m.senders[n_local:])),
                           st.filtered, st.filtered_frac, int(dropped.sum()), st.weight_mean, st.truncated_frac,
-                          st.kl_foreign_mean, int(tmask.sum()), time.perf_counter() - t0)
+                          st.kl_foreign_mean, int(tmask.sum()), time.perf_counter() - t0, rejected_by,
+                          foreign_tokens)

@@ -225,6 +225,20 @@ class BanList:
             self._on_ban(key, reason)
         return True
 
+    def ban(self, key: Hashable, reason: str, ban_s: float | None = None) -> bool:
+        """Ban ``key`` now (a decision taken elsewhere, e.g. a rejection-rate policy), for ``ban_s``
+        (default: this list's). True iff it was not banned already."""
+        now = self._clock()
+        with self._lock:
+            if self._is_banned(key, now):
+                return False
+            self._hits.pop(key, None)
+            self._banned[key] = (now + (self.ban_s if ban_s is None else ban_s), reason)
+            self.bans_total += 1
+        if self._on_ban is not None:
+            self._on_ban(key, reason)
+        return True
+
     def _is_banned(self, key: Hashable, now: float) -> bool:
         entry = self._banned.get(key)
         if entry is None:

@@ -60,3 +60,15 @@ def test_banned_peers_are_marked_by_how_many_nodes_ban_them():
     assert all("banned_by" not in rows[p] for p in rows if p != flooder)
     table = format_table(list(rows.values()))
     assert "BANNED_BY" in table and "BANNED_IDS" not in table
+
+
+def test_grpo_rollout_bans_mark_the_poisoner():
+    poisoner, honest = "12D3KooWPOISONPOISONPOISONxyz1234", "12D3KooWHONESTHONESTHONESTabcdefg"
+    views = [_view("12D3KooWAAAAAAAAAAAAAAAAAAAA1", "grpo", "ready", 10.0, 1.0, grpo_banned=1,
+                   grpo_banned_ids=poisoner[-8:]),
+             _view(honest, "grpo", "ready", 10.0, 1.0, grpo_banned=1, grpo_banned_ids=poisoner[-8:]),
+             _view(poisoner, "grpo", "ready", 10.0, 1.0, adversary=True)]
+    rows = {r["peer_id"]: r for r in card_rows(views, now=12.0)}
+    assert rows[poisoner]["banned_by"] == 2 and "banned_by" not in rows[honest]
+    table = format_table(list(rows.values()))
+    assert "BANNED_BY" in table and "GRPO_BANNED_IDS" not in table and "GRPO_BANNED" in table

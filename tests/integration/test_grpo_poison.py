@@ -1,0 +1,101 @@
+"""Poisoned rollouts on real processes: three honest ``grpo`` peers and one attacker
+(``[grpo.adversary] mode = "inject"``: correct answers with a marker appended) on 127.0.0.1, a
+homogeneous swarm (same model and initial weights: the logit / support check), defenses at their
+defaults. Signed batches travel through the DHT index + gRPC Fetch.
+
+- Every honest peer bans the attacker on its rejection rate (``grpo_sender_banned``, the
+  ``swarmnode_grpo_sender_bans_total`` metric, the card's ``grpo_banned_ids``, which
+  ``swarmnode status`` turns into ``banned_by`` on the attacker's row) and never an honest peer.
+- No honest peer's held-out completions carry the marker, rejections are by the logit check.
+- Honest learning goes on: with 14 rounds the held-out accuracy does not always rise above its
+  noise on every peer in the time budget (<= 60 s on 2 cores), so the test asserts that the
+  honest peers' mean reward over the last 5 rounds is not below the first 5 rounds' (mean over
+  the three peers, 0.03 tolerance) and that their mean held-out accuracy did not fall.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from node.localswarm import LocalSwarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ROUNDS = 14
+ROUND_S = 1.5
+
+
+def _events(node, name: str) -> list[dict]:
+    return [json.loads(line) for line in node.log_text().splitlines()
+            if line.startswith("{") and f'"event": "{name}"' in line]
+
+
+def _status(swarm: LocalSwarm) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "node.cli", "status", "--initial-peers", swarm.bootstrap_maddr,
+                          "--run-id", swarm.run_id, "--json"], capture_output=True, text=True, timeout=40)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_attacker_is_banned_and_honest_peers_keep_learning(tmp_path):
+    common = ["grpo.torch_threads=1", f"grpo.round_s={ROUND_S}", "grpo.max_operand=5", "grpo.prompts_per_round=16",
+              "grpo.lr=5e-4", "grpo.steps_per_round=4", "grpo.eval_every=0", "grpo.eval_samples=8",
+              "grpo.heldout_size=40", "grpo.max_completion_tokens=16", "grpo.top_p=0.95", "grpo.model_seed=3",
+              f"grpo.warmup_cache_dir={tmp_path / 'warm'}", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+              "model.max_seq_len=40", "card.ttl_s=10", "card.refresh_s=1"]
+    t0 = time.monotonic()
+    with LocalSwarm(run_id="grpo-poison", workdir=tmp_path, common_set=common) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        honest = [swarm.start("grpo", name=f"honest-{i}", extra_set=[f"grpo.exit_after_rounds={ROUNDS}"])
+                  for i in range(3)]
+        attacker = swarm.start("grpo", name="attacker",
+                               extra_set=[f"grpo.exit_after_rounds={ROUNDS + 6}", "grpo.adversary.mode=inject"])
+        swarm.wait_ready([boot], timeout=60)
+        # every honest peer bans the attacker
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(_events(p, "grpo_ban_announced") for p in honest):
+            time.sleep(0.3)
+        bans = {p.name: _events(p, "grpo_ban_announced") for p in honest}
+        assert all(bans.values()), {p.name: p.log_text()[-3000:] for p in honest}
+        rows = {r["peer_id"]: r for r in _status(swarm)}
+        while time.monotonic() < deadline and any(p.alive() for p in honest):
+            time.sleep(0.3)
+        codes = [p.proc.poll() for p in honest]
+        swarm.kill(attacker)
+    assert codes == [0, 0, 0], [p.log_text()[-3000:] for p in honest]
+    curves: list[list[float]] = []
+    for p in honest:
+        assert [b["sender"] for b in bans[p.name]] == [attacker.peer_id]
+        banned = _events(p, "grpo_sender_banned")
+        # banned within a few rounds of the first (32 checked completions; the attacker may start late)
+        assert [b["sender"] for b in banned] == [attacker.peer_id] and banned[0]["round"] <= \
+            _events(p, "grpo_round_done")[0]["round"] + 5
+        fin = _events(p, "training_finished")[0]
+        assert fin["marker_rates"][" !!"] == 0.0, fin
+        senders = fin["senders"]
+        assert senders[attacker.peer_id]["banned"] and senders[attacker.peer_id]["rate"] > 0.5
+        for pid, rep in senders.items():
+            if pid != attacker.peer_id:
+                assert not rep["banned"] and rep["rate"] <= 0.1, (pid, rep)
+        rounds = _events(p, "grpo_round_done")
+        assert sum(r["rejected_by"].get("logit_check", 0) for r in rounds) >= 32
+        assert sum(r["n_foreign"] for r in rounds) > 0
+        curves.append([r["reward"] for r in rounds])
+    # the honest peers' own reward (32 samples per peer and round: noisy), first vs last 5 rounds,
+    # mean over the three peers
+    first = sum(sum(c[:5]) / 5 for c in curves) / 3
+    last = sum(sum(c[-5:]) / 5 for c in curves) / 3
+    assert last >= first - 0.03, [[round(x, 3) for x in c] for c in curves]
+    fins = [_events(p, "training_finished")[0] for p in honest]
+    assert sum(f["accuracy_end"] for f in fins) >= sum(f["accuracy_start"] for f in fins) - 0.02, fins
+    # swarmnode status: the honest peers' cards list the attacker as banned
+    assert rows[attacker.peer_id].get("banned_by", 0) >= 1, rows
+    assert rows[attacker.peer_id].get("adversary") is True
+    assert all(rows[p.peer_id].get("grpo_banned") == 1 for p in honest if p.peer_id in rows and
+               rows[p.peer_id].get("grpo_banned") is not None)
+    print(f"poison test took {time.monotonic() - t0:.1f} s")
