@@ -133,24 +133,42 @@ class Sketch:
         return sum(b.numel() * 8 + 8 for b in self.buckets.values())
 
 
-def _tensor_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+def _hash_params(seed: int, name: str) -> tuple[int, int, int, int]:
+    """(a, b, c, d): odd 63-bit multipliers a, c and offsets b, d for the multiply-shift hashes."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    a, b, c, d = (int.from_bytes(digest[8 * k:8 * k + 8], "little") >> 1 for k in range(4))
+    return a | 1, b, c | 1, d
+
+
+_ARANGE: dict[int, Tensor] = {}
+
+
+def _positions(n: int) -> Tensor:
+    if n not in _ARANGE:
+        if len(_ARANGE) > 64:
+            _ARANGE.clear()
+        _ARANGE[n] = torch.arange(n, dtype=torch.int64)
+    return _ARANGE[n]
 
 
 def weight_sketch(weights: Weights, seed: int, dims: int = 64) -> Sketch:
-    """CountSketch of each tensor (element i goes to bucket h(i) with sign s(i), both drawn from
-    (seed, name)), summed in fp64. Linear: sketch(A) - sketch(B) = sketch(A - B), and for a random
-    seed its norm estimates ||A - B||, so a difference cannot hide in a few coordinates."""
-    if dims < 1:
-        raise ValueError(f"dims={dims} must be >= 1; 64 is the default")
+    """CountSketch of each tensor, summed in fp64: with h = a*i + b mod 2^64 (multiply-shift hashing,
+    a odd and b drawn per tensor from (seed, name)), element i goes to bucket h >> (64 - log2 dims)
+    with the sign of the next bit. Linear: sketch(A) - sketch(B) = sketch(A - B), and for a seed
+    unknown in advance its norm estimates ||A - B||, so a difference cannot hide in a few
+    coordinates. `dims` must be a power of 2."""
+    if dims < 2 or dims & (dims - 1):
+        raise ValueError(f"dims={dims} must be a power of 2 (>= 2); 64 is the default")
+    shift = 64 - (dims.bit_length() - 1)
     norms, buckets = {}, {}
     for name in sorted(weights):
         flat = _fp32(weights[name]).reshape(-1).double()
-        gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
-        idx = torch.randint(dims, (flat.numel(),), generator=gen)
-        sign = torch.randint(2, (flat.numel(),), generator=gen, dtype=torch.int8).double().mul_(2).sub_(1)
-        buckets[name] = torch.zeros(dims, dtype=torch.float64).index_add_(0, idx, flat * sign)
+        a, b, _, _ = _hash_params(seed, name)
+        h = _positions(flat.numel()) * a + b
+        idx = (h >> shift) & (dims - 1)
+        negative = ((h >> (shift - 1)) & 1).bool()
         norms[name] = float(flat.norm())
+        buckets[name] = torch.zeros(dims, dtype=torch.float64).index_add_(0, idx, torch.where(negative, -flat, flat))
     return Sketch(seed, dims, norms, buckets)
 
 
@@ -228,17 +246,31 @@ def replay_adamw(before: Weights, grads: Weights, state: Mapping[str, Mapping[st
     Uses torch's own kernel, so an honest step replays bit-exactly on the same build and device;
     across machines the residual is a few ulps (covered by UpdateMonitor's floor)."""
     names = sorted(before)
-    params = [torch.nn.Parameter(before[n].detach().clone()) for n in names]
-    opt = torch.optim.AdamW(params, lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-    for n, p in zip(names, params):
-        p.grad = grads[n].detach().clone().to(p.dtype)
-        st = state.get(n)
-        if st:
-            opt.state[p] = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
+    shapes = [before[n].shape for n in names]
+    sizes = [before[n].numel() for n in names]
+    param = torch.nn.Parameter(torch.cat([before[n].detach().reshape(-1) for n in names]))
+    param.grad = torch.cat([grads[n].detach().reshape(-1).to(param.dtype) for n in names])
+    opt = torch.optim.AdamW([param], lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+    # AdamW is elementwise, so one flat tensor steps bit-for-bit like the per-tensor parameters
+    if all(state.get(n) for n in names):
+        steps = {float(state[n]["step"]) for n in names}
+        if len(steps) != 1:
+            raise ValueError(f"optimizer state has different step counts {sorted(steps)}; replay per tensor group")
+        first = state[names[0]]
+        opt.state[param] = {"step": first["step"].detach().clone() if isinstance(first["step"], Tensor)
+                            else first["step"],
+                            "exp_avg": torch.cat([state[n]["exp_avg"].detach().reshape(-1) for n in names]),
+                            "exp_avg_sq": torch.cat([state[n]["exp_avg_sq"].detach().reshape(-1) for n in names])}
+    elif any(state.get(n) for n in names):
+        raise ValueError("optimizer state covers only some tensors; a stage's state must be complete or empty")
     opt.step()
-    after = {n: p.detach() for n, p in zip(names, params)}
-    new_state = {n: {k: v.detach() if isinstance(v, Tensor) else v for k, v in opt.state[p].items()}
-                 for n, p in zip(names, params)}
+    st = opt.state[param]
+    flat = {k: list(torch.split(st[k].detach(), sizes)) for k in ("exp_avg", "exp_avg_sq")}
+    params = list(torch.split(param.detach(), sizes))
+    after = {n: params[i].reshape(shapes[i]) for i, n in enumerate(names)}
+    new_state = {n: {"step": st["step"].clone() if isinstance(st["step"], Tensor) else st["step"],
+                     "exp_avg": flat["exp_avg"][i].reshape(shapes[i]),
+                     "exp_avg_sq": flat["exp_avg_sq"][i].reshape(shapes[i])} for i, n in enumerate(names)}
     return after, new_state
 
 
@@ -276,13 +308,17 @@ class UpdateMonitor:
         self._streak = 0
         self.last_cosine: float | None = None
         self.last_residual_norm = 0.0
+        self.off_path = False
+        """Whether the last observed step left a residual above the floor (attributes a replica
+        mismatch: of two disagreeing replicas, the one whose own step does not replay)."""
 
     def reset(self) -> None:
-        self._last_residual, self._streak, self.last_cosine = None, 0, None
+        self._last_residual, self._streak, self.last_cosine, self.off_path = None, 0, None, False
 
     def observe(self, iteration: int, before: Weights, after: Weights, lr: float, *, step: int,
                 replayed: Weights | None = None, exempt: bool = False) -> CheckResult:
         result = CheckResult("update_bound", self.suspect, iteration)
+        self.off_path = False
         if exempt:
             self.reset()
             result.note = "recovery iteration: exempt"
@@ -291,20 +327,26 @@ class UpdateMonitor:
             result.flag(f"tensor sets differ before/after the step ({sorted(set(before) ^ set(after))[:4]})")
             return result
         c = adam_step_bound(step, self.hp.betas)
-        for name in sorted(before):
-            w0, w1 = _fp32(before[name]), _fp32(after[name])
-            limit = lr * c + lr * self.hp.weight_decay * w0.abs() + self.ulps * FP32_EPS * w0.abs() + self.bound_slack * lr
-            ratio = float(((w1 - w0).abs() / limit).max()) if w0.numel() else 0.0
-            if not math.isfinite(ratio) or ratio > 1.0:
-                result.flag(f"{name}: step {float((w1 - w0).abs().max()):.3e} is {ratio:.2f}x AdamW's bound "
-                            f"(lr {lr:g} x {c:.3f} + decay)", name, ratio, 1.0)
+        names = sorted(before)
+        sizes = [before[n].numel() for n in names]
+        w0 = torch.cat([_fp32(before[n]).reshape(-1) for n in names])
+        w1 = torch.cat([_fp32(after[n]).reshape(-1) for n in names])
+        absw0 = w0.abs()
+        limit = absw0 * (lr * self.hp.weight_decay + self.ulps * FP32_EPS) + (lr * c + self.bound_slack * lr)
+        ratio = (w1 - w0).abs_().div_(limit)
+        worst = float(ratio.max()) if ratio.numel() else 0.0
+        if not math.isfinite(worst) or worst > 1.0:
+            for name, part, a, b in zip(names, torch.split(ratio, sizes), torch.split(w0, sizes), torch.split(w1, sizes)):
+                r = float(part.max()) if part.numel() else 0.0
+                if not math.isfinite(r) or r > 1.0:
+                    result.flag(f"{name}: step {float((b - a).abs().max()):.3e} is {r:.2f}x AdamW's bound "
+                                f"(lr {lr:g} x {c:.3f} + decay)", name, r, 1.0)
         if replayed is None:
             return result
-        names = sorted(before)
-        res = torch.cat([(_fp32(after[n]) - _fp32(replayed[n])).reshape(-1) for n in names])
-        ref = torch.cat([_fp32(replayed[n]).abs().reshape(-1) for n in names])
-        floor = self.ulps * FP32_EPS * ref + 1e-12
-        off_path = bool((res.abs() > floor).any())
+        ref = torch.cat([_fp32(replayed[n]).reshape(-1) for n in names])
+        res = w1 - ref
+        floor = ref.abs().mul_(self.ulps * FP32_EPS).add_(1e-12)
+        off_path = self.off_path = bool((res.abs() > floor).any())
         self.last_residual_norm = float(res.norm())
         if not off_path:
             self._last_residual, self._streak, self.last_cosine = None, 0, None
@@ -314,11 +356,12 @@ class UpdateMonitor:
         self._streak = self._streak + 1 if cos is None or cos >= self.cos_min else 1
         self._last_residual = res
         if self._streak >= self.patience:
-            worst = max(names, key=lambda n: float((_fp32(after[n]) - _fp32(replayed[n])).norm()))
+            norms = [float(part.norm()) for part in torch.split(res, sizes)]
+            worst_name = names[max(range(len(names)), key=norms.__getitem__)]
             result.flag(f"weights moved off the replayed AdamW step for {self._streak} iterations in a persistent "
                         f"direction (cosine {cos if cos is not None else float('nan'):.3f} >= {self.cos_min}; residual "
-                        f"norm {self.last_residual_norm:.3e}, mostly {worst}): an edit outside the gradient path",
-                        worst, cos if cos is not None else float("nan"), self.cos_min, check="update_drift")
+                        f"norm {self.last_residual_norm:.3e}, mostly {worst_name}): an edit outside the gradient path",
+                        worst_name, cos if cos is not None else float("nan"), self.cos_min, check="update_drift")
         return result
 
 
