@@ -73,12 +73,13 @@ from security.stage_integrity import (AdamHparams, SpotSampler, UpdateMonitor, a
 TARGETS = {"backdoor_success_without_defense": (">=", 0.8), "backdoor_success_with_defense": ("<=", 0.05),
            "honest_false_flag_rate": ("<=", 0.01), "iteration_time_ratio_checks_vs_off": ("<=", 1.10)}
 MODEL = dict(d_model=64, n_layers=3, n_heads=4, max_seq_len=64)
-DATA = dict(seq_len=64, batch_size=8, max_train_bytes=1_000_000, max_val_bytes=60_000)
+DATA = dict(seq_len=64, batch_size=12, max_train_bytes=1_000_000, max_val_bytes=60_000)
 STAGES = 4                 # stage 0 (data node) + 3 transformer stages of one block
 ATTACKED = 2               # the middle transformer stage
 MICROBATCHES = 4           # per iteration, each of DATA.batch_size windows
 LR = 1e-3                  # post-training AdamW LR (constant), weight decay 0
 LR_SCALE = 1.1             # CheckFree: a rebuilt stage trains at 1.1x LR with a fresh optimizer
+PER_STEP_LR = 1.0          # the attacker's task vector: |delta| <= inject_steps * 1.0 * LR per element
 SPOT_RATE = 0.02
 AUDIT_RATE = 0.25
 """Share of iterations (keyed, unpredictable to the stage) at which a replica's step is replayed from
@@ -110,6 +111,24 @@ class Replica:
     def opt_state(self) -> dict:
         return {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.opt.state[p].items()}
                 for n, p in self.module.named_parameters() if p in self.opt.state}
+
+    # the checks run on the stage's flat parameter vector (one tensor: what the averager and the
+    # weight service hold); per-tensor names only matter for the spot check's forward
+    def flat_weights(self) -> dict[str, torch.Tensor]:
+        flat = torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])
+        return {"stage": flat}
+
+    def flat_grads(self) -> dict[str, torch.Tensor]:
+        return {"stage": torch.cat([p.grad.detach().reshape(-1) for p in self.module.parameters()])}
+
+    def flat_opt_state(self) -> dict:
+        params = list(self.module.parameters())
+        if params[0] not in self.opt.state:
+            return {}
+        first = self.opt.state[params[0]]
+        return {"stage": {"step": first["step"].clone(),
+                          "exp_avg": torch.cat([self.opt.state[p]["exp_avg"].reshape(-1) for p in params]),
+                          "exp_avg_sq": torch.cat([self.opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])}}
 
     def step_count(self) -> int:
         p = next(self.module.parameters())
@@ -199,30 +218,39 @@ class Swarm:
             for part in parts:
                 for n in part:
                     part[n].add_(total[n] - part[n])
-        pre = {}
+        pre, spotted = {}, {j[0].name for j in spot_jobs if j[0].stage == s}
         for node in nodes:
             node.grad_norm_pre = float(torch.nn.utils.clip_grad_norm_(node.module.parameters(), CLIP))
-            if self.checks:
-                pre[node.name] = (node.weights(), node.opt_state(),
-                                  {n: p.grad.detach().clone() for n, p in node.module.named_parameters()})
+            if self.checks:      # the committed pre-step state a verifier may fetch (flat, like the averager's buffers)
+                pre[node.name] = (node.flat_weights(), node.flat_opt_state(),
+                                  node.weights() if node.name in spotted else None)
             before = node.weights() if node.malicious else None
             node.opt.step()
-            node.opt.zero_grad(set_to_none=True)
+            if not self.checks:
+                node.opt.zero_grad(set_to_none=True)
             if node.malicious:
                 node.injector.after_step(t, node.module, before, node.lr, adam_step_bound(node.step_count(), HP.betas))
         if not self.checks:
             return
+        try:
+            self._check_stage(t, s, nodes, spot_jobs, pre)
+        finally:                 # the step's gradients stay on the parameters until an audit has read them
+            for node in nodes:
+                node.opt.zero_grad(set_to_none=True)
+
+    def _check_stage(self, t: int, s: int, nodes: list[Replica], spot_jobs: list, pre: dict) -> None:
         # ---- checks: spot checks of this stage's hops, update monitor, replica sketches
         flagged: dict[str, list[dict]] = {}
         for node, x, y in (j for j in spot_jobs if j[0].stage == s):
             self.spot_checks += 1
-            res = spot_check(node.name, t, module_forward(node.module), pre[node.name][0], x, y)
+            res = spot_check(node.name, t, module_forward(node.module), pre[node.name][2], x, y)
             for f in res.flags:
                 flagged.setdefault(node.name, []).append(f.as_dict())
         # replica sketches first: a mismatching pair is audited (replayed) at once
         mismatches = []
+        after = {node.name: node.flat_weights() for node in nodes}
         if len(nodes) > 1:
-            ws = [node.weights() for node in nodes]
+            ws = [after[node.name] for node in nodes]
             seed = sketch_seed(self.label, t, [commit_weights(w) for w in ws])
             sketches = [weight_sketch(w, seed) for w in ws]
             for i in range(len(nodes)):
@@ -232,13 +260,14 @@ class Swarm:
                         mismatches.append((nodes[i], nodes[j], res))
         must_audit = {n.name for a, b, _ in mismatches for n in (a, b)}
         for node in nodes:
-            before, state, grads = pre[node.name]
+            before, state, _ = pre[node.name]
             exempt = node.exempt_next
             node.exempt_next = False
             audit = not exempt and (node.name in must_audit or self.auditor.chosen(t, node.name))
             self.audits += audit
-            replayed = replay_adamw(before, grads, state, node.lr, HP)[0] if audit else None
-            res = self.monitors[node.name].observe(t, before, node.weights(), node.lr, step=node.step_count(),
+            replayed = replay_adamw(before, node.flat_grads(), state, node.lr, HP)[0] if audit else None
+            res = self.monitors[node.name].observe(t, before, after[node.name], node.lr,
+                                                   step=node.step_count(),
                                                    replayed=replayed, exempt=exempt)
             for f in res.flags:
                 flagged.setdefault(node.name, []).append(f.as_dict())
@@ -335,7 +364,7 @@ def run_seed(seed: int, args, corpus, cfg: ModelConfig) -> dict[str, Any]:
     public = pretrain(cfg, corpus.train, args.pretrain_steps, seed)
     val_batches = eval_batches(corpus.val, 16, DATA["seq_len"], 4)
     attack = BackdoorAttackConfig(enabled=True, stage=ATTACKED, start_iteration=args.inject_from,
-                                  steps=args.inject_steps, offline_steps=args.offline_steps)
+                                  steps=args.inject_steps, offline_steps=args.offline_steps, per_step_lr=PER_STEP_LR)
     public_eval = {"clean_val_loss": round(clean_val_loss(public, val_batches), 4),
                    "backdoor_success": backdoor_success(public, corpus.val, attack, prompts=args.prompts)}
     t_pre = time.monotonic() - t0
@@ -407,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.pretrain_steps = 400 if args.quick else 800
-    args.offline_steps = 250 if args.quick else 400
-    args.inject_from, args.inject_steps = (20, 30) if args.quick else (40, 60)
+    args.offline_steps = 300 if args.quick else 400
+    args.inject_from, args.inject_steps = (15, 30) if args.quick else (40, 60)
     args.iterations = 70 if args.quick else 160
     args.prompts = 48 if args.quick else 128
     t_start = time.monotonic()
@@ -451,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                      "seeds": args.seeds, "pretrain_steps": args.pretrain_steps,
                      "offline_steps": args.offline_steps, "inject_from": args.inject_from,
                      "inject_steps": args.inject_steps, "iterations": args.iterations, "prompts": args.prompts,
-                     "attack": BackdoorAttackConfig(enabled=True, stage=ATTACKED).model_dump(),
+                     "attack": BackdoorAttackConfig(enabled=True, stage=ATTACKED, per_step_lr=PER_STEP_LR).model_dump(),
                      "torch_threads": 1},
            "seeds": seeds,
            "notes": {"backdoor_success": "greedy continuation of held-out triggered prompts through the attacked "
