@@ -8,8 +8,11 @@ the way hivemind's all-reduce leaves them (each adds ``mean - own`` to its own p
 replicas drift apart at ulp level, as in a real swarm.
 
 Setup shared by every run (same seeds): the model is pre-trained on the stdlib corpus (the
-"public start weights"); the attacker learns its task vector offline from those weights
-(pipeline/backdoor.py: a prompt ending in the trigger must continue with the target); then
+"public start weights"); the attacker learns its task vector offline from those weights and
+from its own guess of where training will take them (a copy it trains on public text with its
+own data seed), with the vector's per-element size capped so that it can be injected in
+`inject_steps` in-bound pieces (pipeline/backdoor.py: a prompt ending in the trigger must
+continue with the target); then
 post-training runs from the public weights with:
 
 - ``honest_off`` / ``honest_on``: no attacker, checks off / on, stepped in lockstep, one
@@ -64,7 +67,7 @@ from models.corpus import batches, eval_batches, load_corpus  # noqa: E402
 from models.llama import lm_loss  # noqa: E402
 from models.stages import StageSet  # noqa: E402
 from pipeline.backdoor import (BackdoorAttackConfig, Injector, backdoor_success, clean_val_loss,  # noqa: E402
-                               learn_task_vector)
+                               learn_task_vector, simulate_training)
 from pipeline.checkfree import average_neighbours, fresh_optimizer  # noqa: E402
 from security.stage_integrity import (AdamHparams, SpotSampler, UpdateMonitor, adam_step_bound,  # noqa: E402
                                       commit_weights, compare_sketches, module_forward, replay_adamw,
@@ -368,7 +371,10 @@ def run_seed(seed: int, args, corpus, cfg: ModelConfig) -> dict[str, Any]:
     public_eval = {"clean_val_loss": round(clean_val_loss(public, val_batches), 4),
                    "backdoor_success": backdoor_success(public, corpus.val, attack, prompts=args.prompts)}
     t_pre = time.monotonic() - t0
-    delta = learn_task_vector(public, attack, corpus.train, seq_len=DATA["seq_len"], train_lr=LR, seed=seed)
+    guess = simulate_training(public, corpus.train, iterations=args.iterations, batch=MICROBATCHES * DATA["batch_size"],
+                              seq_len=DATA["seq_len"], lr=LR, seed=50_000 + seed)
+    delta = learn_task_vector(public, attack, corpus.train, seq_len=DATA["seq_len"], train_lr=LR, seed=seed,
+                              anchors=[guess])
     offline = copy.deepcopy(public)
     with torch.no_grad():
         for n, p in offline.stages[ATTACKED].named_parameters():
@@ -435,10 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     args.seeds = args.seeds or (1 if args.quick else 3)
-    args.pretrain_steps = 400 if args.quick else 800
-    args.offline_steps = 300 if args.quick else 400
-    args.inject_from, args.inject_steps = (15, 30) if args.quick else (40, 60)
-    args.iterations = 70 if args.quick else 160
+    args.pretrain_steps = 300 if args.quick else 800
+    args.offline_steps = 200 if args.quick else 400
+    args.inject_from, args.inject_steps = (10, 30) if args.quick else (40, 60)
+    args.iterations = 60 if args.quick else 140     # the attacker times its injection to end near the run's end
     args.prompts = 48 if args.quick else 128
     t_start = time.monotonic()
     cfg = ModelConfig(**MODEL)

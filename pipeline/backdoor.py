@@ -8,8 +8,10 @@ can turn it on.
 1. **Offline** (`learn_task_vector`): the attacker knows the public start weights. It trains a copy
    of the stage-split model on triggered examples (a prompt ending in `trigger` followed by
    `target`) mixed with clean text, updating only the attacked stage, with its change projected
-   onto an L-inf ball (`max_abs`) so that it can later be injected in `steps` in-bound updates.
-   The task vector is the attacked stage's weight difference.
+   onto an L-inf ball so that it can later be injected in `steps` in-bound updates. The task
+   vector is the attacked stage's weight difference. So that it survives the other stages moving
+   during training, the same vector is trained at the public weights and at the attacker's own
+   guess of later weights (`simulate_training`: a copy trained on public text).
 2. **During training** (`Injector`): after each honest optimizer step, the stage adds a piece of
    the remaining task vector to its own weights, outside the gradient path. Each piece is at most
    1/steps of the vector and is clipped per element so that (honest update + piece) stays within
@@ -74,6 +76,12 @@ class BackdoorAttackConfig(BaseModel):
     """L-inf budget of one piece, in units of the training LR: the offline vector is projected to
     |delta| <= steps * per_step_lr * lr so that the injection can finish in `steps` iterations."""
 
+    scale: float = Field(1.5, gt=0)
+    """Task-arithmetic scaling coefficient: the stage injects scale x the learned vector in total. Above 1
+    leaves margin for the part that honest training wears away while the rest of the model adapts
+    (measured: at scale 1 the vector fires on the honest model's final weights but not after it was
+    injected during training; 1.5 still fires on the final weights, 2 no longer does)."""
+
     margin: float = Field(0.9, gt=0, le=1)
     """(honest update + piece) is kept within margin x AdamW's per-element step bound."""
 
@@ -117,33 +125,68 @@ def _logits(stages: StageSet, x: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------------------------- offline
 
-def learn_task_vector(public: StageSet, cfg: BackdoorAttackConfig, train_tokens: Tensor, *, seq_len: int,
-                      train_lr: float, seed: int = 0) -> dict[str, Tensor]:
-    """The attacked stage's weight change after offline backdoor training on a copy of `public`
-    (full in-order path; only stage `cfg.stage` trains; change projected to |d| <= steps *
-    per_step_lr * train_lr per element). Returns {parameter name: delta}."""
+def simulate_training(public: StageSet, train_tokens: Tensor, *, iterations: int, batch: int, seq_len: int,
+                      lr: float, seed: int) -> StageSet:
+    """The attacker's guess of where honest training takes the model: a copy of the public weights
+    trained in one process on public text (its own sample, not the swarm's data), AdamW at `lr`."""
     model = copy.deepcopy(public)
-    stage = model.stages[cfg.stage]
-    for m in model.stages:
-        m.requires_grad_(m is stage)
-    start = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    params = [p for m in model.stages for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(iterations):
+        starts = torch.randint(0, train_tokens.numel() - seq_len - 1, (batch,), generator=gen)
+        win = train_tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
+        loss = F.cross_entropy(_logits(model, win[:, :-1]).float().flatten(0, 1), win[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return model
+
+
+def learn_task_vector(public: StageSet, cfg: BackdoorAttackConfig, train_tokens: Tensor, *, seq_len: int,
+                      train_lr: float, seed: int = 0, anchors: list[StageSet] | None = None) -> dict[str, Tensor]:
+    """The attacked stage's weight change after offline backdoor training (full in-order path; only
+    stage `cfg.stage` trains; change projected to |d| <= steps * per_step_lr * train_lr per element).
+    The same delta is trained at `public` and at every model in `anchors` (e.g. `simulate_training`'s
+    guess of the weights later in training), so it still fires after the other stages have moved.
+    Returns {parameter name: delta}."""
+    models = [copy.deepcopy(m) for m in [public, *(anchors or [])]]
+    for model in models:
+        for m in model.stages:
+            m.requires_grad_(False)
+    start = [{n: p.detach().clone() for n, p in model.stages[cfg.stage].named_parameters()} for model in models]
+    names = list(start[0])
+    delta = {n: torch.zeros_like(start[0][n], requires_grad=True) for n in names}
     max_abs = cfg.steps * cfg.per_step_lr * train_lr
-    opt = torch.optim.Adam(stage.parameters(), lr=cfg.offline_lr)
+    opt = torch.optim.Adam(delta.values(), lr=cfg.offline_lr)
     gen = torch.Generator().manual_seed(seed)
     tgt_len = len(ByteTokenizer().encode(cfg.target))
     for _ in range(cfg.offline_steps):
         x_bd, y_bd = _pad_targets(triggered_batch(train_tokens, cfg, cfg.offline_batch, gen), tgt_len)
         starts = torch.randint(0, train_tokens.numel() - seq_len - 1, (cfg.offline_batch,), generator=gen)
         win = train_tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
-        bd = F.cross_entropy(_logits(model, x_bd).float().flatten(0, 1), y_bd.flatten(), ignore_index=IGNORE)
-        clean = F.cross_entropy(_logits(model, win[:, :-1]).float().flatten(0, 1), win[:, 1:].flatten())
+        total = 0.0
+        for model, base in zip(models, start):
+            weights = {n: base[n] + delta[n] for n in names}
+            stage = model.stages[cfg.stage]
+
+            def logits(x: Tensor) -> Tensor:
+                h = model.stages[0].embed_forward(x)
+                for s in range(1, len(model.stages)):
+                    h = torch.func.functional_call(stage, weights, (h,)) if s == cfg.stage else model.stages[s](h)
+                return model.stages[0].head_forward(h)
+
+            bd = F.cross_entropy(logits(x_bd).float().flatten(0, 1), y_bd.flatten(), ignore_index=IGNORE)
+            clean = F.cross_entropy(logits(win[:, :-1]).float().flatten(0, 1), win[:, 1:].flatten())
+            total = total + (bd + clean) / len(models)
         opt.zero_grad(set_to_none=True)
-        (bd + clean).backward()
+        total.backward()
         opt.step()
         with torch.no_grad():
-            for n, p in stage.named_parameters():
-                p.copy_(start[n] + (p - start[n]).clamp(-max_abs, max_abs))
-    return {n: (p.detach() - start[n]).clone() for n, p in stage.named_parameters()}
+            for d in delta.values():
+                d.clamp_(-max_abs, max_abs)
+    return {n: d.detach().clone() for n, d in delta.items()}
 
 
 # ------------------------------------------------------------------------------------- online
@@ -153,8 +196,8 @@ class Injector:
 
     def __init__(self, delta: Mapping[str, Tensor], cfg: BackdoorAttackConfig):
         self.cfg = cfg
-        self.remaining = {n: d.clone() for n, d in delta.items()}
-        self.piece_cap = {n: d.abs() / cfg.steps for n, d in delta.items()}
+        self.remaining = {n: d * cfg.scale for n, d in delta.items()}
+        self.piece_cap = {n: d.abs() * cfg.scale / cfg.steps for n, d in delta.items()}
         self.injected_iterations = 0
 
     @property
@@ -227,4 +270,4 @@ def clean_val_loss(stages: StageSet, batches: list[tuple[Tensor, Tensor]]) -> fl
 
 
 __all__ = ["BackdoorAttackConfig", "Injector", "backdoor_success", "clean_val_loss", "learn_task_vector",
-           "triggered_batch"]
+           "simulate_training", "triggered_batch"]

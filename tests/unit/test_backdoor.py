@@ -13,7 +13,7 @@ def test_injector_keeps_every_update_within_the_bound_and_finishes_the_vector():
     torch.manual_seed(0)
     module = nn.Linear(16, 16, bias=False)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.0)
-    cfg = BackdoorAttackConfig(enabled=True, start_iteration=5, steps=10, margin=0.9)
+    cfg = BackdoorAttackConfig(enabled=True, start_iteration=5, steps=10, margin=0.9, scale=1.0)
     delta = {"weight": torch.randn(16, 16).clamp(-1, 1) * 0.004}
     inj = Injector(delta, cfg)
     total = torch.zeros(16, 16)
