@@ -367,7 +367,8 @@ def run_seed(seed: int, args, corpus, cfg: ModelConfig) -> dict[str, Any]:
     public = pretrain(cfg, corpus.train, args.pretrain_steps, seed)
     val_batches = eval_batches(corpus.val, 16, DATA["seq_len"], 4)
     attack = BackdoorAttackConfig(enabled=True, stage=ATTACKED, start_iteration=args.inject_from,
-                                  steps=args.inject_steps, offline_steps=args.offline_steps, per_step_lr=PER_STEP_LR)
+                                  steps=args.inject_steps, offline_steps=args.offline_steps, per_step_lr=PER_STEP_LR,
+                                  protect=True)
     public_eval = {"clean_val_loss": round(clean_val_loss(public, val_batches), 4),
                    "backdoor_success": backdoor_success(public, corpus.val, attack, prompts=args.prompts)}
     t_pre = time.monotonic() - t0
@@ -486,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                      "seeds": args.seeds, "pretrain_steps": args.pretrain_steps,
                      "offline_steps": args.offline_steps, "inject_from": args.inject_from,
                      "inject_steps": args.inject_steps, "iterations": args.iterations, "prompts": args.prompts,
-                     "attack": BackdoorAttackConfig(enabled=True, stage=ATTACKED, per_step_lr=PER_STEP_LR).model_dump(),
+                     "attack": BackdoorAttackConfig(enabled=True, stage=ATTACKED, per_step_lr=PER_STEP_LR, protect=True).model_dump(),
                      "torch_threads": 1},
            "seeds": seeds,
            "notes": {"backdoor_success": "greedy continuation of held-out triggered prompts through the attacked "

@@ -82,6 +82,12 @@ class BackdoorAttackConfig(BaseModel):
     (measured: at scale 1 the vector fires on the honest model's final weights but not after it was
     injected during training; 1.5 still fires on the final weights, 2 no longer does)."""
 
+    protect: bool = False
+    """Once injection has started, also undo (per element, after each honest step) the part of the
+    honest update that moves against the vector: the attacker keeps its edit from being worn away
+    when it is the stage's only replica and its own optimizer reacts to it. Still in-bound (the
+    element then moves only by its piece)."""
+
     margin: float = Field(0.9, gt=0, le=1)
     """(honest update + piece) is kept within margin x AdamW's per-element step bound."""
 
@@ -198,6 +204,7 @@ class Injector:
         self.cfg = cfg
         self.remaining = {n: d * cfg.scale for n, d in delta.items()}
         self.piece_cap = {n: d.abs() * cfg.scale / cfg.steps for n, d in delta.items()}
+        self.piece_cap_sign = {n: d.sign() for n, d in delta.items()}
         self.injected_iterations = 0
 
     @property
@@ -217,9 +224,13 @@ class Injector:
         limit = self.cfg.margin * lr * step_bound
         for n, p in module.named_parameters():
             rem = self.remaining.get(n)
-            if rem is None or not bool(rem.any()):
+            if rem is None or (not bool(rem.any()) and not self.cfg.protect):
                 continue
             u = p.detach() - before[n]
+            if self.cfg.protect:                   # undo the honest move against the vector first
+                against = (u * self.piece_cap_sign[n]) < 0
+                p.sub_(torch.where(against, u, torch.zeros_like(u)))
+                u = p.detach() - before[n]
             lo = (-limit - u).clamp(max=0)         # keep |u + piece| <= limit (0 if u is already at it)
             hi = (limit - u).clamp(min=0)
             cap = self.piece_cap[n]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -9,11 +10,12 @@ from pipeline.backdoor import BackdoorAttackConfig, Injector, _pad_targets, trig
 from security.stage_integrity import adam_step_bound
 
 
-def test_injector_keeps_every_update_within_the_bound_and_finishes_the_vector():
+@pytest.mark.parametrize("protect", [False, True])
+def test_injector_keeps_every_update_within_the_bound_and_finishes_the_vector(protect):
     torch.manual_seed(0)
     module = nn.Linear(16, 16, bias=False)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.0)
-    cfg = BackdoorAttackConfig(enabled=True, start_iteration=5, steps=10, margin=0.9, scale=1.0)
+    cfg = BackdoorAttackConfig(enabled=True, start_iteration=5, steps=10, margin=0.9, scale=1.0, protect=protect)
     delta = {"weight": torch.randn(16, 16).clamp(-1, 1) * 0.004}
     inj = Injector(delta, cfg)
     total = torch.zeros(16, 16)
@@ -28,15 +30,18 @@ def test_injector_keeps_every_update_within_the_bound_and_finishes_the_vector():
         if t < 5:
             assert not injected
         piece = module.weight.detach() - honest
-        total += piece
-        assert float(piece.abs().max()) <= float(delta["weight"].abs().max()) / cfg.steps * (1 + 1e-3)   # fp: w + p - w
+        if not protect:
+            total += piece
+        if not protect:     # (with protect, `piece` also holds the undone honest move)
+            assert float(piece.abs().max()) <= float(delta["weight"].abs().max()) / cfg.steps * (1 + 1e-3)
         step = (module.weight.detach() - before["weight"]).abs()
         # where something was injected, honest update + piece stays within margin x AdamW's bound
         # (an element whose honest update is already past it gets nothing)
         touched = piece.abs() > 1e-9
         assert bool((step[touched] <= 0.9 * 1e-3 * c * (1 + 1e-4)).all())
     assert inj.done_fraction > 0.99
-    assert torch.allclose(total, delta["weight"], atol=1e-6)
+    if not protect:
+        assert torch.allclose(total, delta["weight"], atol=1e-6)
 
 
 def test_triggered_examples_end_with_trigger_then_target_and_only_the_target_is_scored():
