@@ -20,11 +20,13 @@ post-training runs from the public weights with:
 - ``replica_off`` / ``replica_on``: replica 1 of the middle stage injects the task vector;
 - ``solo_off`` / ``solo_on``: the middle stage has a single replica, the attacker.
 
-Checks on (security/stage_integrity.py, on every transformer-stage replica, every iteration):
-replica commits + sketches compared across replicas (a mismatch is attributed to the replica
-whose own step does not replay from its committed state and gradient), the update-size monitor
-(AdamW step bound, replay-residual drift test), and spot-check recomputation of 2% of the hops
-from the committed weights. Response, emulated: the flagged replica is removed and its slot is
+Checks on (security/stage_integrity.py, on every transformer-stage replica): every iteration,
+replica commits + sketches compared across replicas and the AdamW step-bound test; a replay
+audit (the step replayed from the committed pre-step state and gradient; residual drift test)
+on a keyed, unpredictable 25% of iterations and always for both replicas of a sketch mismatch,
+which attributes the mismatch to the replica whose own step does not replay; spot-check
+recomputation of 2% of the hops from the committed weights. The checks run on the stage's flat
+parameter vector. Response, emulated: the flagged replica is removed and its slot is
 re-filled by copying the honest replica (weights + optimizer state), or, when the stage had no
 other replica, rebuilt by the CheckFree rule from its neighbours (pipeline.checkfree.
 average_neighbours, fresh AdamW at 1.1x LR); that iteration is exempt from the monitor. The live
@@ -497,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                      "iterations_to_detection": "injected iterations until the attacker is flagged (1 = the first "
                                                 "injected iteration)",
                      "iteration_time_ratio": "median over iterations of honest_on / honest_off, the two runs "
-                                             "stepped in lockstep in one process; checks run on every replica "
-                                             "every iteration (commit, sketch, replay, bound, 2% spot checks)",
+                                             "stepped in lockstep in one process; every replica every iteration: "
+                                             "commit, sketch, step-bound check; replay audit on a keyed 25% of "
+                                             "iterations and on every sketch mismatch; 2% spot checks",
                      "left_for_the_live_role": "coordinator quarantine via ReportAnomaly, swarmnode_security_flags"
                                                "_total{check} increments, SkipPipe re-plan, `swarmnode status`"},
            "wall_s": round(time.monotonic() - t_start, 1)}
