@@ -455,6 +455,9 @@ class NoLoCoRole(RoleBase):
             log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd, extra,
                      extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
             M.EXTRA_STEPS.inc(extra)
+            # partners plan on this card: say at once that we exchange later, not at the stale time
+            self.ctx.card.update(**{NEXT_EXCHANGE_AT: round(time.time() + extra * (self._step_s or 0.0), 3)},
+                                 publish=True)
             loss = await self.compute.run(self._inner_steps, extra)
             if self._stopping:
                 return
@@ -554,8 +557,9 @@ class NoLoCoRole(RoleBase):
         room = self.cfg.inner_steps + self.cfg.inner_steps // 2  # at most half a phase more than one
         if self.cfg.exit_after_steps:
             room = min(room, self.cfg.exit_after_steps - self.step)
+        idle = None if self._step_s is None else self.cfg.idle_steps * self._step_s
         return steps_to_wait(self._ready_peers(views), rnd, time.time(), wait_bound(self._step_s, self.cfg),
-                             self._step_s, room)
+                             self._step_s, room, idle_s=idle)
 
     async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor], bound: float) -> ExchangeResult:
         """NoLoCo's exchange under the waiting policy. The transport gets ``round_timeout`` as
