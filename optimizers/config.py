@@ -120,6 +120,13 @@ class NoLoCoConfig(BaseModel):
     workers from locking into fixed pairs with the odd one always alone. Turn it off for
     strictly H inner steps per outer step (e.g. to compare with the paper's schedule)."""
 
+    idle_steps: float = Field(1.0, ge=0)
+    """With ``compute_while_waiting``: wait idle only for a partner expected (by its card) within
+    this many of our own inner steps; for one due later (but within 1.5 inner phases) keep
+    training until it is due, then pair. 1 keeps the idle time per paired round under about one
+    inner step plus the exchange itself. Raise it (up to the wait bound) if rounds take many
+    extra steps while partners are close; a very large value restores "wait up to the bound"."""
+
     jitter_s: float = Field(2.5, ge=0)
     """Uniform random delay (0..jitter_s) added to each matchmaking start so that arrival order,
     and with it the pairs, changes between rounds. About matchmaking_time / 2. Raise it if the

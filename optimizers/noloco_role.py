@@ -441,25 +441,28 @@ class NoLoCoRole(RoleBase):
         if self.cfg.exit_after_steps:
             h = max(1, min(h, self.cfg.exit_after_steps - self.step))
         step0 = self.step
-        loss = await self.compute.run(self._inner_steps, h)
+        want_views = self.cfg.outer == "noloco"
+        t_round_pc = time.perf_counter()
+        loss, views, t_outer = await self._steps_then_views(h, want_views)
+        # from t_outer (the end of the compute, before any wait for the card read) the worker
+        # computes nothing: blocked time
         if self.step > step0:  # the worker's own pace: what the waiting policy scales with
-            per_step = (time.monotonic() - t_round) / (self.step - step0)
+            per_step = (t_outer - t_round_pc) / (self.step - step0)
             self._step_s = per_step if self._step_s is None else 0.5 * self._step_s + 0.5 * per_step
         if self._stopping:
             return
-        t_outer = time.perf_counter()  # from here the worker computes nothing: blocked time
-        views = await self._read_views() if self.cfg.outer == "noloco" else None
         rnd = self._catch_up_round(views) if self._catch_up else self.round
         extra = self._steps_until_partner(views, rnd)
         if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
             log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd, extra,
                      extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
             M.EXTRA_STEPS.inc(extra)
-            loss = await self.compute.run(self._inner_steps, extra)
+            # partners plan on this card: say at once that we exchange later, not at the stale time
+            self.ctx.card.update(**{NEXT_EXCHANGE_AT: round(time.time() + extra * (self._step_s or 0.0), 3)},
+                                 publish=True)
+            loss, views, t_outer = await self._steps_then_views(extra, True)
             if self._stopping:
                 return
-            t_outer = time.perf_counter()
-            views = await self._read_views()
             rnd = self._catch_up_round(views) if self._catch_up else self.round
         last = bool(self.cfg.exit_after_steps) and self.step >= self.cfg.exit_after_steps
         tensors = await self.compute.run(self._outgoing)
@@ -544,6 +547,26 @@ class NoLoCoRole(RoleBase):
             await self._resync_phi()
 
     # ---------------- waiting policy (issue 8) ----------------
+    async def _steps_then_views(self, n: int, want_views: bool) -> tuple[float, list | None, float]:
+        """``n`` inner steps -> (loss, node cards or None, ``time.perf_counter()`` when the
+        compute ended). With ``want_views`` the cards are read (DHT) while the last step
+        computes (the view is at most one step old); a read that outlasts the step is idle time,
+        so the caller counts blocked time from the returned compute end, not from the read."""
+        if not want_views:
+            return await self.compute.run(self._inner_steps, n), None, time.perf_counter()
+        loss = await self.compute.run(self._inner_steps, n - 1) if n > 1 else float("nan")
+        if self._stopping:
+            return loss, None, time.perf_counter()
+        done: list[float] = []
+
+        async def last_step() -> float:
+            out = await self.compute.run(self._inner_steps, 1)
+            done.append(time.perf_counter())
+            return out
+
+        loss, views = await asyncio.gather(last_step(), self._read_views())
+        return loss, views, done[0]
+
     def _train_s(self) -> float:
         return 0.0 if self._t_train0 is None else time.monotonic() - self._t_train0
 
@@ -554,8 +577,9 @@ class NoLoCoRole(RoleBase):
         room = self.cfg.inner_steps + self.cfg.inner_steps // 2  # at most half a phase more than one
         if self.cfg.exit_after_steps:
             room = min(room, self.cfg.exit_after_steps - self.step)
+        idle = None if self._step_s is None else self.cfg.idle_steps * self._step_s
         return steps_to_wait(self._ready_peers(views), rnd, time.time(), wait_bound(self._step_s, self.cfg),
-                             self._step_s, room)
+                             self._step_s, room, idle_s=idle)
 
     async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor], bound: float) -> ExchangeResult:
         """NoLoCo's exchange under the waiting policy. The transport gets ``round_timeout`` as

@@ -5,7 +5,7 @@ cards and ends the wait through ``OuterExchange.stop_waiting``.
 
     wait_bound(step_s, cfg) -> seconds     # wait_fraction x own inner phase, >= min_wait_s, <= round_timeout
     someone_can_meet(ready_peers, rnd, by) -> bool   # False: do not wait (solo step at once)
-    steps_to_wait(ready_peers, rnd, now, bound, step_s, max_steps) -> int   # compute while waiting
+    steps_to_wait(ready_peers, rnd, now, bound, step_s, max_steps, idle_s) -> int   # compute while waiting
 
 A peer can still meet us at round label ``rnd`` when it is READY (the caller filters), not
 finishing (its card's ``finishing`` detail: it took its last round, ``exit_after_steps``), its
@@ -66,14 +66,17 @@ def _expected_at(v: CardView) -> float | None:
 
 
 def steps_to_wait(ready_peers: Sequence[CardView], rnd: int, now: float, bound: float, step_s: float | None,
-                  max_steps: int) -> int:
-    """Keep computing while waiting: 0 when a peer can meet us at ``rnd`` within ``bound`` (pair
-    now) or none is expected within ``max_steps`` inner steps (solo now); else the inner steps
-    (>= 1) to run until the earliest expected peer reaches its exchange. The round then
-    continues with those extra steps and pairs at the frontier label instead of a solo step.
-    Without it, workers of equal pace lock into the same pairs and the odd one goes solo every
-    round (measured: tests/integration/test_noloco_waiting.py)."""
-    if not step_s or step_s <= 0 or max_steps <= 0 or someone_can_meet(ready_peers, rnd, by=now + bound):
+                  max_steps: int, idle_s: float | None = None) -> int:
+    """Keep computing while waiting: 0 when a peer can meet us at ``rnd`` within the idle window
+    (pair now; the window is ``min(bound, idle_s)``, ``bound`` when ``idle_s`` is None) or none is
+    expected within ``max_steps`` inner steps (solo now, or wait up to ``bound``); else the inner
+    steps (>= 1) to run until the earliest expected peer reaches its exchange. The round then
+    continues with those extra steps and pairs at the frontier label instead of idling or a solo
+    step. Without it, workers of equal pace lock into the same pairs and the odd one goes solo
+    every round (measured: tests/integration/test_noloco_waiting.py); with a short idle window a
+    worker no longer sits idle for most of its wait bound for a partner a few steps away."""
+    window = bound if idle_s is None else min(bound, max(0.0, idle_s))
+    if not step_s or step_s <= 0 or max_steps <= 0 or someone_can_meet(ready_peers, rnd, by=now + window):
         return 0
     due = [at for v in ready_peers if v.card.details.get(FINISHING) is not True
            and (at := _expected_at(v)) is not None and at > now]

@@ -74,3 +74,27 @@ def test_compute_while_waiting_runs_until_the_next_peer_is_due():
     finishing = view("b", round=5, **{NEXT_EXCHANGE_AT: now + 1.0, FINISHING: True})
     assert steps_to_wait([finishing], 5, now, bound=0.5, step_s=step, max_steps=20) == 0
     assert steps_to_wait([view("c", round=5, **{NEXT_EXCHANGE_AT: now + 0.01})], 5, now, 0.0, step, 20) == 1
+
+
+def test_idle_only_for_a_partner_due_within_the_idle_window():
+    now, step = 1000.0, 0.1
+    due_in_05 = view("a", round=5, **{NEXT_EXCHANGE_AT: now + 0.5})
+    # within the wait bound (1 s) but 5 steps away: keep training for 5 steps instead of idling
+    assert steps_to_wait([due_in_05], 5, now, bound=1.0, step_s=step, max_steps=20, idle_s=step) == 5
+    assert steps_to_wait([due_in_05], 5, now, bound=1.0, step_s=step, max_steps=20) == 0     # no window: wait
+    assert steps_to_wait([due_in_05], 5, now, bound=1.0, step_s=step, max_steps=20, idle_s=0.6) == 0
+    # the window never exceeds the bound: a peer due after the bound still means compute first
+    assert steps_to_wait([due_in_05], 5, now, bound=0.2, step_s=step, max_steps=20, idle_s=5.0) == 5
+    # a peer already waiting (time in the past) or without a time: pair now
+    waiting = view("b", round=5, **{NEXT_EXCHANGE_AT: now - 1.0})
+    assert steps_to_wait([due_in_05, waiting], 5, now, 1.0, step, 20, idle_s=step) == 0
+    assert steps_to_wait([due_in_05, view("c", round=5)], 5, now, 1.0, step, 20, idle_s=step) == 0
+    # the earliest due peer sets the extra steps
+    due_in_03 = view("d", round=5, **{NEXT_EXCHANGE_AT: now + 0.3})
+    assert steps_to_wait([due_in_05, due_in_03], 5, now, 1.0, step, 20, idle_s=step) == 3
+
+
+def test_idle_steps_default_and_not_hashed():
+    cfg = NoLoCoConfig()
+    assert cfg.idle_steps == 1.0
+    assert NoLoCoConfig(idle_steps=4.0).cfg_hash() == cfg.cfg_hash()
