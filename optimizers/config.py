@@ -102,7 +102,7 @@ class NoLoCoConfig(BaseModel):
     inner_steps), floored at ``min_wait_s`` and capped by ``round_timeout``. It also stops
     waiting at once when no live READY peer can still meet it at this round (all past it,
     draining, finishing, or expected later than the bound by their cards). With 0.25 the 4-worker
-    demo measured a blocked share of 0.13-0.14 with most rounds paired (README,
+    demo measured a blocked share of 0.16-0.18 on a busy 2-core machine, most rounds paired (README;
     benchmarks/noloco_swarm.py for NoLoCo vs DiLoCo on real processes). Raise it when
     ``swarmnode_outer_solo_rounds_total{reason="wait_bound"}`` is a large share of the rounds
     (too few pairs, replicas drift); lower it when ``swarmnode_outer_blocked_fraction`` is high.
