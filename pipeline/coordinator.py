@@ -215,9 +215,17 @@ def parse_commit(value: Any) -> tuple[int, str] | None:
     if not isinstance(value, str) or ":" not in value:
         return None
     it, _, sha = value.partition(":")
-    if not it.isdigit() or not (1 <= len(sha) <= 64) or any(c not in "0123456789abcdef" for c in sha):
+    if not it.isdigit() or len(it) > 12 or not (1 <= len(sha) <= 64) or any(c not in "0123456789abcdef" for c in sha):
         return None
     return int(it), sha
+
+
+def parse_commits(value: Any) -> list[tuple[int, str]]:
+    """A card's `commit` detail, "<it>:<sha>,<it-1>:<sha>,..." (newest first, at most 8), parsed;
+    malformed entries are skipped."""
+    if not isinstance(value, str):
+        return []
+    return [c for c in (parse_commit(v) for v in value.split(",")[:8]) if c is not None]
 
 
 def commit_disagreements(scheduled: list[tuple], commits: dict[str, dict[int, str]]) -> dict[int, int]:
@@ -247,6 +255,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.commits: dict[str, dict[int, str]] = {}     # stage node -> iteration -> published commit prefix
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
         self._audits: dict[int, asyncio.Task] = {}       # stage -> its running audit
+        self._audited: dict[int, int] = {}               # stage -> latest disagreeing iteration audited
         self.epoch = 0
         self.replies: OrderedDict[int, pipeline_pb2.ScheduleReply] = OrderedDict()
         self.waiting_reason = "no stage node has published its card yet"
@@ -344,16 +353,17 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         for v in views:
             if v.peer_id not in live:
                 continue
-            c = parse_commit(v.card.details.get("commit"))
-            if c is not None:
-                hist = self.commits.setdefault(v.peer_id, {})
-                hist.setdefault(c[0], c[1])
+            hist = self.commits.setdefault(v.peer_id, {})
+            for it, sha in parse_commits(v.card.details.get("commit")):
+                hist.setdefault(it, sha)
+            if hist:
                 for old in sorted(hist)[:-COMMITS_KEPT]:
                     del hist[old]
         scheduled = [m for m in self.scheduled if m[0] in live]
         for stage, it in commit_disagreements(scheduled, self.commits).items():
             task = self._audits.get(stage)
-            if task is None or task.done():
+            if (task is None or task.done()) and it > self._audited.get(stage, -1):
+                self._audited[stage] = it
                 peers = [m for m in scheduled if m[1] == stage]
                 self._audits[stage] = asyncio.get_running_loop().create_task(self._audit_stage(stage, it, peers),
                                                                             name=f"audit_stage{stage}")
@@ -378,8 +388,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                  extra={"event": "replica_audit", "stage": stage, "iteration": it, "passed": passed,
                         "failed": {p: v[1] for p, v in failed.items()}})
         if not passed or not failed:
-            self._forget(peers, it)     # nothing attributable: look again when they disagree next
-            return
+            return                      # nothing attributable: look again when they disagree at a later iteration
         good = self.commits.get(passed[0], {}).get(it, "")
         for peer, (_, why, t) in failed.items():
             count_flags([compare_commits(peer, t, good, self.commits.get(peer, {}).get(it, "?"))])
@@ -410,11 +419,6 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         if not res <= RESIDUAL_LR:
             return False, f"step {t} does not replay: {tensor} off by {res:.3g} lr (limit {RESIDUAL_LR})", t
         return True, f"step {t} replays ({res:.2g} lr)", t
-
-    def _forget(self, peers: list[tuple], it: int) -> None:
-        for m in peers:
-            for old in [i for i in self.commits.get(m[0], {}) if i <= it]:
-                del self.commits[m[0]][old]
 
     def _quarantine(self, peer: str, stage: int, why: str) -> None:
         """Leave `peer` out of every later plan (the next poll re-plans, SkipPipe's path) and say why."""
@@ -517,5 +521,5 @@ def parse_reply(reply: pipeline_pb2.ScheduleReply) -> tuple[Schedule, dict[str, 
     return sched, dict(reply.addrs)
 
 
-__all__ = ["LivenessProbe", "ScheduleCoordinator", "StageAuditSpec", "commit_disagreements", "parse_commit", "build_cluster", "fetch_schedule", "parse_reply", "pick_vacancy",
+__all__ = ["LivenessProbe", "ScheduleCoordinator", "StageAuditSpec", "commit_disagreements", "parse_commit", "parse_commits", "build_cluster", "fetch_schedule", "parse_reply", "pick_vacancy",
            "plan_for", "stage_members", "stage_replicas"]

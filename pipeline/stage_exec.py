@@ -516,6 +516,8 @@ class StageExecutor:
             clipped = min(norm, self.clip) if self.clip else norm
             self.last_lr = float(self.opt.param_groups[0]["lr"])   # served in the snapshot: audits replay the step
             self.opt.step()                          # exactly once per iteration
+            if getattr(self, "after_step", None) is not None:
+                self.after_step()                    # test-only attack harness (stage.attack_weight_edit)
         else:
             self.dropped["nonfinite_grad" if not finite else "no_visits"] += 1
         if self.sched is not None:

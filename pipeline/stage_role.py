@@ -72,7 +72,6 @@ from pipeline.schedule import ScheduleViolation
 from pipeline.checkfree import RecoveryError
 from pipeline.recovery import (Rebuilt, StageRecovery, apply_recovery, coordinator_status, newest_checkpoint,
                                optimizer_spec, param_spec, rebuilt_from_checkpoint, stage_checkpoint_dir)
-from pipeline.stage_msgs import weights_sha256
 from pipeline.stage_exec import Aborted, BadInput, EvalResult, OriginDone, StageExecutor, StepResult
 from pipeline.stage_timing import measure_forward_s
 from pipeline.stage_transport import StageTransport
@@ -105,6 +104,11 @@ def stage_cfg_hash(s: StageSettings) -> str:
     """What a stage's weights depend on: nodes whose hashes differ cannot share state."""
     body = f"{s.model.model_dump_json()}|{s.schedule.stages}|{s.stage.index}|{s.stage.stage0_layers}|{s.stage.seed}"
     return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
+KEEP_SNAPSHOTS = 4
+"""Snapshots (weights + optimizer state) a stage node keeps and serves by iteration, so the
+coordinator's integrity audit can fetch a step's before and after while the node runs on."""
 
 
 @register
@@ -175,7 +179,7 @@ class StageRole(RoleBase):
                                   send_timeout_s=self.cfg.iteration_timeout_s,
                                   on_reject=lambda reason: NM.TENSORS_REJECTED.labels(reason=reason).inc())
         self._snapshot: StateSnapshot | None = None
-        self._prev_snapshot: StateSnapshot | None = None   # the step before: integrity audits replay the last step
+        self._kept: list[StateSnapshot] = []   # the last KEEP_SNAPSHOTS: integrity audits replay a step from them
         self._corpus = None                    # stage 0: the loaded corpus (train stream, validation batches)
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem,
                                             history=self._snapshot_at)
@@ -245,6 +249,8 @@ class StageRole(RoleBase):
                                 clip=self.cfg.optim.clip_norm, eval_data=eval_data, delay=delay, device=device,
                                 scheduler=self.lr_sched, autocast=lambda: autocast(device, precision),
                                 emit=lambda outs: self._loop.call_soon_threadsafe(self.net.send, outs))
+        if self.cfg.attack_weight_edit:
+            self.ex.after_step = self._attack_edit      # ATTACK HARNESS: tests and benchmarks only
         if self.rebuilt is not None:
             self.ex.iteration = self.rebuilt.iteration
         self._take_snapshot()
@@ -254,16 +260,13 @@ class StageRole(RoleBase):
                 "grad_bytes": 4 * sum(p.numel() for p in self.module.parameters())}
 
     def _take_snapshot(self) -> None:
-        if self.cfg.attack_weight_edit and self.ex.records:
-            self._attack_edit()
         meta, weights, opt = self.ex.snapshot()
-        if self.cfg.attack_weight_edit:
-            meta["weights_sha256"] = weights_sha256(self.module)
-        self._prev_snapshot, self._snapshot = self._snapshot, StateSnapshot(meta, weights, opt)
+        self._snapshot = StateSnapshot(meta, weights, opt)
+        self._kept = (self._kept + [self._snapshot])[-KEEP_SNAPSHOTS:]
 
     def _snapshot_at(self, iteration: int) -> StateSnapshot | None:
-        """The served snapshot of `iteration` (the latest or the one before), else None."""
-        for snap in (self._snapshot, self._prev_snapshot):
+        """The kept snapshot of `iteration` (one of the last KEEP_SNAPSHOTS), else None."""
+        for snap in reversed(self._kept):
             if snap is not None and int(snap.meta.get("iteration", -1)) == iteration:
                 return snap
         return None
@@ -574,8 +577,10 @@ class StageRole(RoleBase):
         if done or (self.cfg.checkpoint_every and self.ex.iteration % self.cfg.checkpoint_every == 0):
             await self.compute.run(self._save_checkpoint)
         commit = self._snapshot.meta["weights_sha256"] if self._snapshot is not None else e.weights_sha256
-        # the coordinator compares replicas' commits (pipeline.md §4) and audits a stage whose replicas disagree
-        self.ctx.card.update(publish=True, iteration=self.ex.iteration, commit=f"{self.ex.iteration}:{commit[:16]}")
+        # the coordinator compares replicas' commits (pipeline.md §4) and audits a stage whose replicas
+        # disagree; the last 4 ride along so it can compare replicas polled at different iterations
+        self._commits = (getattr(self, "_commits", []) + [f"{self.ex.iteration}:{commit[:16]}"])[-4:]
+        self.ctx.card.update(publish=True, iteration=self.ex.iteration, commit=",".join(reversed(self._commits)))
         origin = self._origin_times.pop(e.iteration, None)
         log.info("stage %d step %d: %d/%d visits, grad norm %.4f", self.cfg.index, e.iteration, e.visits,
                  e.total_visits, e.grad_norm,

@@ -4,7 +4,7 @@ and the coordinator's commit bookkeeping (pipeline/coordinator.py), pure parts."
 import torch
 
 from node.status import card_rows, format_table
-from pipeline.coordinator import commit_disagreements, parse_commit
+from pipeline.coordinator import commit_disagreements, parse_commit, parse_commits
 from pipeline.stage_audit import RESIDUAL_LR, commit_of, replay_residual
 
 
@@ -49,6 +49,7 @@ def test_commits_parse_strictly_and_disagreements_are_found_per_stage():
     assert parse_commit("12:ab09") == (12, "ab09")
     for bad in (None, 3, "x:ab", "12:", "12:XYZ", "1:" + "a" * 65):
         assert parse_commit(bad) is None
+    assert parse_commits("5:aa,4:bb,x,3:") == [(5, "aa"), (4, "bb")] and parse_commits(7) == []
     sched = [("a", 1), ("b", 1), ("c", 2), ("d", 2)]
     commits = {"a": {3: "aa", 4: "bb"}, "b": {3: "aa", 4: "cc"}, "c": {4: "dd"}, "d": {5: "ee"}}
     assert commit_disagreements(sched, commits) == {1: 4}
