@@ -56,8 +56,10 @@ class StateServicer:
     """``WeightService.Fetch`` over a role's snapshot callable (None: nothing to serve yet)."""
 
     def __init__(self, run_id: str, cfg_hash: str, get_snapshot: Callable[[], StateSnapshot | None],
-                 netem=None, max_concurrent: int = 2):
+                 netem=None, max_concurrent: int = 2,
+                 history: Callable[[int], StateSnapshot | None] | None = None):
         self.run_id, self.cfg_hash, self._get = run_id, cfg_hash, get_snapshot
+        self._history = history    # iteration -> a kept older snapshot (stage integrity audits replay the last step)
         self._netem = netem
         self._slots = asyncio.Semaphore(max_concurrent)
         self.max_concurrent = max_concurrent
@@ -67,6 +69,9 @@ class StateServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"this node serves run {self.run_id!r}, not {request.run_id[:64]!r}")
         snap = self._get()
+        if request.iteration and self._history is not None and snap is not None \
+                and str(snap.meta.get("iteration")) != str(request.iteration):
+            snap = self._history(request.iteration) or snap    # not kept: the latest (callers check `iteration`)
         if snap is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no state yet (still initialising); try another peer")
         both = request.want_state == WANT_WEIGHTS_AND_OPTIMIZER

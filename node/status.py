@@ -60,7 +60,22 @@ def card_rows(views: list, now: float | None = None) -> list[dict[str, Any]]:
         if hint:
             rows[-1]["bus_hint"] = hint
     mark_banned(rows)
+    mark_quarantined(rows)
     return rows
+
+
+def mark_quarantined(rows: list[dict[str, Any]]) -> None:
+    """Add ``quarantined_why`` to the rows of stage nodes the schedule coordinator (a bootstrap
+    card's ``quarantined`` detail: ``<last 8 of peer ID>=<why>;...``, pipeline/coordinator.py)
+    left out of the schedule after a failed integrity audit."""
+    for r in rows:
+        for item in str(r.get("quarantined") or "").split(";"):
+            tail, _, why = item.partition("=")
+            if not tail:
+                continue
+            for row in rows:
+                if row["peer_id"] != r["peer_id"] and str(row["peer_id"]).endswith(tail):
+                    row["quarantined_why"] = why
 
 
 def mark_banned(rows: list[dict[str, Any]]) -> None:
@@ -107,7 +122,8 @@ def _role_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         for k in r:
             if k not in own and k not in head and k not in tail and k not in ("version", "uptime_s", "bus_hint", "banned_ids",
-                                                                                 "grpo_banned_ids") \
+                                                                                 "grpo_banned_ids", "quarantined",
+                                                                                 "quarantined_why") \
                     and not k.endswith(TABLE_HIDDEN_SUFFIXES):
                 own.append(k)
     cols = head + own + tail
@@ -117,6 +133,8 @@ def _role_table(rows: list[dict[str, Any]]) -> list[str]:
     lines += ["  ".join(x.ljust(w) for x, w in zip(t, widths)).rstrip() for t in table]
     # under the table, not in it: a hint is a sentence
     lines += [f"{str(r['peer_id'])[:16]}…: {r['bus_hint']}" for r in rows if r.get("bus_hint")]
+    lines += [f"{str(r['peer_id'])[:16]}…: QUARANTINED by the schedule coordinator: {r['quarantined_why']}"
+              for r in rows if r.get("quarantined_why")]
     return lines
 
 

@@ -208,6 +208,12 @@ class StageConfig(BaseModel):
     checkfree: CheckFreeConfig = Field(default_factory=CheckFreeConfig)
     """Recovery of lost stages (CheckFree / CheckFree+)."""
 
+    attack_weight_edit: float = Field(0.0, ge=0)
+    """ATTACK HARNESS, tests and benchmarks only (pipeline.md §4): after every optimizer step
+    this node adds a fixed-direction edit of `attack_weight_edit * lr` per element to its own
+    weights, outside the gradient path (a blunt stand-in for pipeline/backdoor.py's task vector).
+    Refused unless every address this node binds/announces is loopback (127.0.0.1). 0 = honest."""
+
     iteration_timeout_s: float = Field(300.0, gt=0)
     """An iteration that makes no progress for this long is logged as stuck (with what it still
     waits for) and the node drains; check the peers named in the log."""

@@ -514,7 +514,10 @@ class StageExecutor:
                 off += k
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf")))
             clipped = min(norm, self.clip) if self.clip else norm
+            self.last_lr = float(self.opt.param_groups[0]["lr"])   # served in the snapshot: audits replay the step
             self.opt.step()                          # exactly once per iteration
+            if getattr(self, "after_step", None) is not None:
+                self.after_step()                    # test-only attack harness (stage.attack_weight_edit)
         else:
             self.dropped["nonfinite_grad" if not finite else "no_visits"] += 1
         if self.sched is not None:
@@ -551,7 +554,8 @@ class StageExecutor:
         meta = {"stage": self.stage, "iteration": self.iteration,
                 "grad_norm": last.grad_norm if last else float("nan"),
                 "grad_norm_clipped": last.grad_norm_clipped if last else float("nan"),
-                "weights_sha256": last.weights_sha256 if last else weights_sha256(self.module)}
+                "weights_sha256": last.weights_sha256 if last else weights_sha256(self.module),
+                "lr": getattr(self, "last_lr", float("nan"))}
         weights = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.module.named_parameters()}
         opt: dict[str, Tensor] = {}
         for n, p in self.module.named_parameters():

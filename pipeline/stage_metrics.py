@@ -72,3 +72,6 @@ WEIGHTS_RECOVERED = Gauge("swarmnode_checkfree_weights_recovered_at",
                           "Iteration at which this node's weights were last rebuilt by a recovery (-1 = never).",
                           registry=REGISTRY)
 WEIGHTS_RECOVERED.set(-1)
+QUARANTINED = Gauge("swarmnode_pipeline_quarantined_replicas",
+                    "Stage replicas the coordinator left out of the schedule after a failed integrity audit "
+                    "(pipeline.md §4; `swarmnode status` says which and why).", registry=REGISTRY)

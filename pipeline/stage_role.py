@@ -67,15 +67,16 @@ from node.roles import RoleBase, Service, register
 from node.state_sync import StateServicer, StateSnapshot, add_state_service
 from pipeline import stage_metrics as M
 from pipeline.config import ScheduleConfig, StageConfig
-from pipeline.coordinator import ScheduleCoordinator, fetch_schedule, parse_reply
+from pipeline.coordinator import ScheduleCoordinator, StageAuditSpec, fetch_schedule, parse_reply
 from pipeline.schedule import ScheduleViolation
 from pipeline.checkfree import RecoveryError
 from pipeline.recovery import (Rebuilt, StageRecovery, apply_recovery, coordinator_status, newest_checkpoint,
-                               rebuilt_from_checkpoint, stage_checkpoint_dir)
+                               optimizer_spec, param_spec, rebuilt_from_checkpoint, stage_checkpoint_dir)
 from pipeline.stage_exec import Aborted, BadInput, EvalResult, OriginDone, StageExecutor, StepResult
 from pipeline.stage_timing import measure_forward_s
 from pipeline.stage_transport import StageTransport
 from protocol import pipeline_pb2, pipeline_pb2_grpc
+from security.config import is_loopback_host, is_loopback_maddr
 from protocol.streams import add_tensor_stream_to_server
 
 log = logging.getLogger("swarmnode.stage")
@@ -105,6 +106,11 @@ def stage_cfg_hash(s: StageSettings) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
+KEEP_SNAPSHOTS = 4
+"""Snapshots (weights + optimizer state) a stage node keeps and serves by iteration, so the
+coordinator's integrity audit can fetch a step's before and after while the node runs on."""
+
+
 @register
 class StageRole(RoleBase):
     name = "stage"
@@ -131,14 +137,36 @@ class StageRole(RoleBase):
     def bootstrap_services(cls, ctx) -> list[Service]:
         """The schedule service, planned from the [schedule] section of the bootstrap's config."""
         s = super().validate_config(ctx.config)
+        specs: dict[int, tuple] = {}
+
+        def stage_spec(index: int) -> tuple:
+            """(weights spec, optimizer spec, cfg_hash) of stage `index`: what an integrity audit fetches."""
+            if index not in specs:
+                mod = build_stage(s.model, s.stage.seed, index, s.schedule.stages, s.stage.stage0_layers)
+                specs[index] = (param_spec(mod), optimizer_spec(mod),
+                                stage_cfg_hash(s.model_copy(update={"stage": s.stage.model_copy(update={"index": index})})))
+            return specs[index]
+
+        o = s.stage.optim
+        audit = StageAuditSpec(stage_spec, tuple(o.betas), o.eps, o.weight_decay)
         return [Service(pipeline_pb2_grpc.add_ScheduleServicer_to_server,
-                        ScheduleCoordinator(ctx, s.schedule, activation_bytes(s)), "swarmnode.Schedule")]
+                        ScheduleCoordinator(ctx, s.schedule, activation_bytes(s), audit=audit), "swarmnode.Schedule")]
 
     def __init__(self, ctx, settings: StageSettings):
         self.ctx, self.s, self.cfg = ctx, settings, settings.stage
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         self.me = ctx.peer_id
+        if self.cfg.attack_weight_edit:
+            c = ctx.config
+            public = [h for h in (c.host, c.advertise_host) if h and not is_loopback_host(h)]
+            public += [m for m in (*c.dht.initial_peers, *c.dht.announce_maddrs) if not is_loopback_maddr(m)]
+            if public:
+                raise ValueError(f"stage.attack_weight_edit is a test and benchmark harness: it is refused unless every "
+                                 f"listen and peer address is loopback; {public[0]!r} is not. Set it to 0")
+            log.warning("*** TEST ONLY: this stage node is MALICIOUS: it edits its weights outside the gradient path "
+                        "(stage.attack_weight_edit=%g) ***", self.cfg.attack_weight_edit,
+                        extra={"event": "stage_attack", "edit": self.cfg.attack_weight_edit})
         self.recovering = self.cfg.checkfree.recover
         self.module = self.opt = self.lr_sched = None
         self.cfg_hash = ""
@@ -151,8 +179,10 @@ class StageRole(RoleBase):
                                   send_timeout_s=self.cfg.iteration_timeout_s,
                                   on_reject=lambda reason: NM.TENSORS_REJECTED.labels(reason=reason).inc())
         self._snapshot: StateSnapshot | None = None
+        self._kept: list[StateSnapshot] = []   # the last KEEP_SNAPSHOTS: integrity audits replay a step from them
         self._corpus = None                    # stage 0: the loaded corpus (train stream, validation batches)
-        self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem)
+        self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem,
+                                            history=self._snapshot_at)
         self.coordinator: tuple[str, str] | None = None   # (gRPC address, peer ID)
         self.ex: StageExecutor | None = None
         self._tasks: list[asyncio.Task] = []
@@ -219,6 +249,8 @@ class StageRole(RoleBase):
                                 clip=self.cfg.optim.clip_norm, eval_data=eval_data, delay=delay, device=device,
                                 scheduler=self.lr_sched, autocast=lambda: autocast(device, precision),
                                 emit=lambda outs: self._loop.call_soon_threadsafe(self.net.send, outs))
+        if self.cfg.attack_weight_edit:
+            self.ex.after_step = self._attack_edit      # ATTACK HARNESS: tests and benchmarks only
         if self.rebuilt is not None:
             self.ex.iteration = self.rebuilt.iteration
         self._take_snapshot()
@@ -230,6 +262,24 @@ class StageRole(RoleBase):
     def _take_snapshot(self) -> None:
         meta, weights, opt = self.ex.snapshot()
         self._snapshot = StateSnapshot(meta, weights, opt)
+        self._kept = (self._kept + [self._snapshot])[-KEEP_SNAPSHOTS:]
+
+    def _snapshot_at(self, iteration: int) -> StateSnapshot | None:
+        """The kept snapshot of `iteration` (one of the last KEEP_SNAPSHOTS), else None."""
+        for snap in reversed(self._kept):
+            if snap is not None and int(snap.meta.get("iteration", -1)) == iteration:
+                return snap
+        return None
+
+    @torch.no_grad()
+    def _attack_edit(self) -> None:
+        """ATTACK HARNESS (stage.attack_weight_edit, loopback only): a fixed-direction edit outside the
+        gradient path after every step, `attack_weight_edit * lr` per element."""
+        lr = float(self.opt.param_groups[0]["lr"])
+        for i, p in enumerate(self.module.parameters()):
+            gen = torch.Generator().manual_seed(1000 + i)
+            sign = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
+            p.add_(sign.to(p.device) * (self.cfg.attack_weight_edit * lr))
 
     def _start_data(self) -> None:
         """Compute thread, stage 0: this originator's shard of the training stream."""
@@ -526,7 +576,11 @@ class StageRole(RoleBase):
         done = bool(self.cfg.iterations) and self.ex.iteration >= self.cfg.iterations
         if done or (self.cfg.checkpoint_every and self.ex.iteration % self.cfg.checkpoint_every == 0):
             await self.compute.run(self._save_checkpoint)
-        self.ctx.card.update(iteration=self.ex.iteration)
+        commit = self._snapshot.meta["weights_sha256"] if self._snapshot is not None else e.weights_sha256
+        # the coordinator compares replicas' commits (pipeline.md §4) and audits a stage whose replicas
+        # disagree; the last 4 ride along so it can compare replicas polled at different iterations
+        self._commits = (getattr(self, "_commits", []) + [f"{self.ex.iteration}:{commit[:16]}"])[-4:]
+        self.ctx.card.update(publish=True, iteration=self.ex.iteration, commit=",".join(reversed(self._commits)))
         origin = self._origin_times.pop(e.iteration, None)
         log.info("stage %d step %d: %d/%d visits, grad norm %.4f", self.cfg.index, e.iteration, e.visits,
                  e.total_visits, e.grad_norm,

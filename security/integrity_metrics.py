@@ -23,6 +23,8 @@ SECURITY_FLAGS = Counter(
     "spot_check, commit_mismatch). A steady trickle of one check on honest nodes means its tolerance is too "
     "tight for this hardware mix (see UpdateMonitor / compare_sketches); a burst names a suspect to quarantine.",
     ["check"], registry=REGISTRY)
+for _check in CHECKS:       # every check shows 0 from the start (dashboards and alerts see "no flags", not "no data")
+    SECURITY_FLAGS.labels(check=_check)
 
 
 def count_flags(results: Iterable[CheckResult]) -> int:
