@@ -25,7 +25,9 @@ from node.localswarm import LocalSwarm
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 ROUNDS = 20
-ROUND_S = 1.5
+ROUND_S = 2.0
+"""A round's own work takes up to ~1.7 s on two busy cores; the clock leaves room for it, so a round
+past ROUND_S after the kill means the dead peer stalled someone, not that the work got slower."""
 SIZES = ((32, 2, 4), (48, 2, 4), (64, 3, 4), (32, 1, 4))     # the last one is killed mid-run
 
 
@@ -46,7 +48,10 @@ def test_three_heterogeneous_peers_learn_and_a_killed_peer_stalls_nobody(tmp_pat
               "grpo.max_operand=5", "grpo.prompts_per_round=16", "grpo.lr=5e-4", "grpo.steps_per_round=4",
               "grpo.eval_every=0", "grpo.eval_samples=8",
               "grpo.heldout_size=60", "grpo.max_completion_tokens=12", f"grpo.warmup_cache_dir={tmp_path / 'warm'}",
-              "model.max_seq_len=40", "card.ttl_s=10", "card.refresh_s=2"]
+              "model.max_seq_len=40", "card.ttl_s=10", "card.refresh_s=2",
+              # the rollout defenses have their own test (test_grpo_poison): here the rule judge would
+              # drop the weak peers' honest-but-unsound completions and slow what this test measures
+              "grpo.defense.kind=off"]
     with LocalSwarm(run_id="grpo-it", workdir=tmp_path, common_set=common) as swarm:
         boot = swarm.start("bootstrap", name="bootstrap")
         swarm.wait_ready([boot], timeout=60)
