@@ -28,6 +28,7 @@ own sections (``[project.entry-points."swarmnode.sections"]``, so config checks 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -181,9 +182,6 @@ class RoleBase:
     def services(self) -> list[Service]:
         return []
 
-    async def start(self) -> None:
-        raise NotImplementedError(f"role {self.name!r} must implement start()")
-
     async def drain(self, budget_s: float) -> None:
         return None
 
@@ -196,6 +194,9 @@ def register(cls: type) -> type:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"{cls.__name__} needs a class attribute name = '<role>' to be registered")
+    if not inspect.iscoroutinefunction(getattr(cls, "start", None)):
+        raise TypeError(f"role {name!r} ({cls.__name__}) needs `async def start(self) -> None`: it begins the "
+                        "role's work once the node has joined (RoleBase has no default)")
     _ROLES[name] = cls
     return cls
 

@@ -126,3 +126,23 @@ async def test_without_the_toy_the_bootstrap_hosts_no_toy_service():
     role = bootstrap(_ctx(cfg), bootstrap.validate_config(cfg))
     names = [s.name for s in role.services()]
     assert names[0] == "swarmnode.Coordinator" and not any(n.startswith("toy.") for n in names), names
+
+
+def test_register_refuses_a_role_without_an_async_start():
+    """RoleBase has no default start(): a role that forgets it fails at registration, not at run."""
+    from node.roles import RoleBase, register
+
+    class NoStart(RoleBase):
+        name = "nostart-test"
+
+    with pytest.raises(TypeError, match="async def start"):
+        register(NoStart)
+
+    class SyncStart(RoleBase):
+        name = "syncstart-test"
+
+        def start(self):
+            return None
+
+    with pytest.raises(TypeError, match="async def start"):
+        register(SyncStart)
