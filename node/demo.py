@@ -170,7 +170,8 @@ def summarize(rows: list[dict[str, Any]], nodes: int, wall: float) -> dict[str, 
     rounds = [r for r in rows if r.get("rounds") is not None]
 
     def mean(key: str) -> float | None:
-        vals = [r[key] for r in rows if r.get(key) is not None]
+        # a pipeline's transformer stages report NaN losses (they never compute one): skip them
+        vals = [r[key] for r in rows if r.get(key) is not None and math.isfinite(r[key])]
         return sum(vals) / len(vals) if vals else None
     return {"nodes": nodes, "steps": int(min((r["steps"] or 0) for r in rows)) if rows else 0,
             "loss_start": mean("loss_start"), "loss_end": mean("loss"),

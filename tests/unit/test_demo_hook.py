@@ -124,3 +124,15 @@ def test_first_error_line_names_the_failure():
     assert demo.first_error_line("boot\nTraceback (most recent call last):\n  x\nValueError: y\n").startswith("Traceback")
     assert demo.first_error_line("only a line\n") == "only a line"
     assert demo.first_error_line("") == "(empty log)"
+
+
+def test_summary_skips_the_nan_losses_of_pipeline_stages_that_compute_none():
+    """A pipeline's transformer stages export NaN losses: the summary averages the data nodes' losses."""
+    from node.demo import summarize
+    rows = [{"steps": 20, "loss_start": 5.3, "loss": 3.5, "eval_loss_start": None, "eval_loss": None,
+             "rounds": None, "rounds_ok": None},
+            {"steps": 20, "loss_start": float("nan"), "loss": float("nan"), "eval_loss_start": float("nan"),
+             "eval_loss": float("nan"), "rounds": None, "rounds_ok": None}]
+    s = summarize(rows, 2, 1.0)
+    assert (s["loss_start"], s["loss_end"]) == (5.3, 3.5)
+    assert s["eval_loss_end"] is None
