@@ -95,10 +95,14 @@ class CardPublisher:
         return NodeCard(state=self.state.value, published_at=time.time(), details=dict(self.details), **self._base)
 
     def update(self, publish: bool = False, **details: Any) -> None:
-        """Change role details (e.g. ``round=12``); published with the next refresh, or at once
-        with ``publish=True`` when peers act on the value (a NoLoCo worker's round)."""
+        """Change role details (e.g. ``round=12``; ``None`` removes one); published with the next
+        refresh, or at once with ``publish=True`` when peers act on the value (a NoLoCo worker's round)."""
         changed = any(self.details.get(k) != v for k, v in details.items())
-        self.details.update(details)
+        for k, v in details.items():
+            if v is None:
+                self.details.pop(k, None)
+            else:
+                self.details[k] = v
         if publish and changed:
             self._wake.set()
 

@@ -237,6 +237,40 @@ class StageRecovery:
                       extra={"event": "adjacent_failure", "stage": stage, "lost": lost_adjacent, "rule": r.rule})
         return r
 
+    async def decide_and_rebuild(self, stage: int, status, max_decisions: int = 4) -> tuple[Recovery, Rebuilt | None]:
+        """`decide` then `rebuild`, watching the coordinator meanwhile: a source stage found lost after
+        the decision (a second failure detected a probe later than the first, as when two adjacent
+        stages die together) stops the fetch, and the rule is decided again with the new status
+        (P23: an adjacent loss goes to the checkpoint, never to an average with a dead neighbour).
+        Returns (rule, rebuilt); rebuilt is None for the checkpoint rule, which the caller restores."""
+        for _ in range(max_decisions):
+            r = self.decide(stage, status)
+            if r.rule == "checkpoint":
+                return r, None
+            task = asyncio.create_task(self.rebuild(stage, r))
+            lost: list[int] = []
+            while not lost:
+                done, _ = await asyncio.wait({task}, timeout=RETRY_S)
+                if done:
+                    return r, task.result()
+                try:
+                    now = await self.status()
+                except grpc.aio.AioRpcError:
+                    continue
+                alive = set(now.live_stages) - (set(now.down_stages) - {stage})
+                lost = [s for s in r.sources if s not in alive]
+                status = now
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, RecoveryError):
+                pass
+            log.warning("stage %d: source stage(s) %s of rule %s were lost during the rebuild; deciding again",
+                        stage, lost, r.rule, extra={"event": "recovery_redecide", "stage": stage, "lost": lost,
+                                                   "rule": r.rule})
+        raise RecoveryError(f"stage {stage}: its sources kept failing over {max_decisions} decisions; check the "
+                            "coordinator's stage_down events and restart the run from a checkpoint")
+
     async def live_iteration(self) -> int:
         """The iteration the surviving stage nodes are at (their cards' `iteration`, the largest)."""
         views = await read_cards(self.ctx.membership.dht, self.run_id)

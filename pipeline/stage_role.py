@@ -367,7 +367,7 @@ class StageRole(RoleBase):
         log.info("taking stage %d (coordinator: %s)", stage, st.reason,
                  extra={"event": "recovery_started", "stage": stage, "missing": list(st.missing_stages),
                         "live": list(st.live_stages)})
-        rule = rec.decide(stage, st)
+        rule, rebuilt = await rec.decide_and_rebuild(stage, st)
         await self.compute.run(self._build, stage)
         M.STAGE_INDEX.set(stage)
         if rule.rule in ("checkpoint", "nearest"):
@@ -379,7 +379,7 @@ class StageRole(RoleBase):
             r.fetch_s = time.monotonic() - tf
             log.warning("%s", r.warn, extra={"event": "recovery_warning", "stage": stage, "rule": r.rule})
         else:
-            self.rebuilt = r = await rec.rebuild(stage, rule)
+            self.rebuilt = r = rebuilt
         t1 = time.monotonic()
 
         def apply() -> None:

@@ -44,3 +44,18 @@ async def test_round_change_publishes_at_once_unchanged_value_does_not():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_none_removes_a_detail_and_the_card_stays_valid():
+    """A replacement withdraws its claim with ``update(recovering=None)``: the key goes, the card
+    still validates (a None value made every later publish fail)."""
+    mem = _FakeMembership()
+    pub = CardPublisher(mem, CardConfig(ttl_s=30, refresh_s=20), "run", "12D3KooWpeer", "stage", "0.1",
+                        "127.0.0.1:1", 0.0)
+    pub.update(recovering=2, iteration=7)
+    assert pub.card().details == {"recovering": 2, "iteration": 7}
+    pub.update(publish=True, recovering=None)
+    assert pub.card().details == {"iteration": 7}
+    assert pub._wake.is_set()        # a removal is a change: published at once
+    assert await pub.publish()
+    assert mem.stores == [("run/nodes", "12D3KooWpeer")]

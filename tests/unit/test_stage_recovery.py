@@ -263,3 +263,40 @@ def test_a_replica_lost_after_the_backwards_leaves_its_twin_a_degraded_step_not_
     torch.testing.assert_close(got, expected * min(1.0, 1.0 / norm), atol=1e-6, rtol=1e-5)
     _run_iteration(nodes, sched2)
     assert all(ex.iteration == 3 for ex in nodes.values()), {n: ex.iteration for n, ex in nodes.items()}
+
+
+def test_a_neighbour_found_lost_during_the_rebuild_sends_the_stage_to_its_checkpoint():
+    """Two adjacent stages die together, but the coordinator's probes report them a poll apart: the
+    replacement of stage 2 first sees only stage 2 down and decides to average stages 1 and 3. When
+    stage 3 is reported lost while it waits for stage 3's state, it stops fetching and decides again:
+    adjacent -> checkpoint (P23), never an average with a dead neighbour, never a 20 s fetch timeout."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pipeline.config import CheckFreeConfig
+    from pipeline.recovery import StageRecovery
+
+    first = SimpleNamespace(live_stages=[0, 1, 3, 4], down_stages=[2], replicas={0: 1, 1: 1, 2: 0, 3: 1, 4: 1})
+    later = SimpleNamespace(live_stages=[0, 1, 4], down_stages=[2, 3], replicas={0: 1, 1: 1, 2: 0, 3: 0, 4: 1})
+    calls = []
+
+    async def status():
+        calls.append(1)
+        return first if len(calls) < 3 else later
+
+    fetching = []
+
+    async def rebuild(stage, r):        # stage 3's dead card never serves: the fetch would wait
+        fetching.append(r.rule)
+        await asyncio.sleep(60)
+
+    rec = StageRecovery(ctx=SimpleNamespace(config=SimpleNamespace(run_id="r")), me="peerZ", n_stages=5,
+                        cfg=CheckFreeConfig(), build=lambda i: None, cfg_hash_of=str, status=status,
+                        has_checkpoint=lambda s: True)
+    rec.rebuild = rebuild
+
+    async def go():
+        return await asyncio.wait_for(rec.decide_and_rebuild(2, first), 10)
+    rule, rebuilt = asyncio.run(go())
+    assert fetching == ["average"] and rule.rule == "checkpoint" and rebuilt is None
+    assert len(calls) == 3                         # stopped as soon as stage 3 was reported lost
