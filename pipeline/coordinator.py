@@ -268,6 +268,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.scheduled: list[tuple] = []        # members of the latest published schedule
         self.suspended_since: float | None = None
         self.reported_down: set[int] = set()
+        self._replan_now = asyncio.Event()      # a quarantine: re-plan at the next poll, skipping settle_s
 
     def _ensure_started(self) -> None:
         if self._task is None or self._task.done():
@@ -276,6 +277,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
     async def _loop(self) -> None:
         planned: list | None = None
         seen, since = None, 0.0
+        urgent = False
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -301,10 +303,17 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                 self.waiting_reason = f"stages {missing} have no node yet ({len(members)} stage nodes seen)"
             elif len(members) < self.cfg.expect_nodes and self.epoch == 0:   # only the first plan waits
                 self.waiting_reason = f"{len(members)} of the {self.cfg.expect_nodes} expected stage nodes are up"
-            elif members != planned and loop.time() - since >= self.cfg.settle_s:
+            elif members != planned and (loop.time() - since >= self.cfg.settle_s or urgent):
+                # settle_s waits out churn; a quarantined replica goes at once (each iteration it stays
+                # in the plan feeds its edited weights to its neighbours and its twin)
                 await self._plan(members)
                 planned = members
-            await asyncio.sleep(self.poll_s)
+            try:
+                await asyncio.wait_for(self._replan_now.wait(), self.poll_s)
+                urgent = True
+            except asyncio.TimeoutError:
+                urgent = False
+            self._replan_now.clear()
 
     async def _plan(self, members: list[tuple]) -> None:
         epoch = self.epoch + 1
@@ -429,6 +438,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.ctx.card.update(publish=True, quarantined=";".join(f"{p[-8:]}={w[:80]}" for p, w in self.quarantined.items()))
         log.warning("quarantined stage %d replica %s: %s; re-planning without it", stage, peer[:16], why,
                     extra={"event": "replica_quarantined", "stage": stage, "peer": peer, "why": why})
+        self._replan_now.set()
 
     def _check_liveness(self, members: list[tuple], now: float) -> None:
         """A stage of the published schedule with no live node suspends it (logged once per stage)."""
