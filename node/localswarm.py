@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,8 +24,38 @@ from pathlib import Path
 from typing import Any
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port on 127.0.0.1 for a node started later, taken from *below* the kernel's
+    ephemeral range: a port the kernel picked for us (bind to 0) is free only until it hands the
+    same number to the next outgoing connection or `tcp/0` listener of any process, and a node
+    that then fails to bind it exits ("Address already in use"). Outside the range only an
+    explicit bind can take it. Never the same port twice in this process."""
+    lo, _ = _ephemeral_range()
+    low = 10000 if lo > 12000 else 1024
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, lo)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:           # no room below the range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

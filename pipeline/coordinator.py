@@ -475,6 +475,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             live_stages=[s for s, n in replicas.items() if n > 0],
             vacancy=pick_vacancy(replicas, set(self.claims.values()), self.peak) if self.live else -1,   # nothing to rebuild from
             down_stages=sorted(self.reported_down), claimed_stages=sorted(set(self.claims.values())), claims=self.claims,
+            quarantined=sorted(self.quarantined),
             short_stages=[s for s, n in replicas.items() if 0 < n < self.peak.get(s, 0)],
             reason=(f"stages {missing} have no live node" if suspended else self.waiting_reason if not self.scheduled
                     else "running"), replicas=replicas)

@@ -184,6 +184,7 @@ class StageRecovery:
         self.build, self.cfg_hash_of, self.status = build, cfg_hash_of, status
         self.has_checkpoint, self.offload = has_checkpoint, offload
         self.run_id = ctx.config.run_id
+        self.quarantined: set[str] = set()     # the coordinator's quarantined stage nodes: never a donor
 
     async def vacancy(self) -> tuple[int, object]:
         """(stage to take, the coordinator's status) once the coordinator names one."""
@@ -281,9 +282,18 @@ class StageRecovery:
         return max(its)
 
     async def _donor_views(self, stage: int):
+        """Live nodes of `stage`, most advanced first, less any the coordinator quarantined (a
+        replacement for a quarantined replica must copy its honest twin, not the attacker)."""
+        if self.status is not None:
+            try:
+                self.quarantined = set((await self.status()).quarantined)
+            except grpc.aio.AioRpcError as exc:
+                log.info("coordinator status not available (%s): no donor this try (its quarantine list is "
+                         "needed first)", exc.details())
+                return []
         views = await read_cards(self.ctx.membership.dht, self.run_id)
-        return order_donors(views, role="stage", cfg_hash=self.cfg_hash_of(stage), progress_key="iteration",
-                            exclude=self.me)
+        return [v for v in order_donors(views, role="stage", cfg_hash=self.cfg_hash_of(stage), progress_key="iteration",
+                                        exclude=self.me) if v.peer_id not in self.quarantined]
 
     async def fetch(self, stage: int, *, optimizer: bool, min_iteration: int = 0):
         """(meta, weights under `stage`'s own names, optimizer or None, donor peer ID) from a live

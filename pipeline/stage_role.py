@@ -409,7 +409,8 @@ class StageRole(RoleBase):
         rec = StageRecovery(ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=self.cfg.checkfree,
                             build=lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages,
                                                         self.cfg.stage0_layers),
-                            cfg_hash_of=self._cfg_hash_of, status=None, offload=self.compute.run)
+                            cfg_hash_of=self._cfg_hash_of, offload=self.compute.run,
+                            status=lambda: coordinator_status(self._coordinator_channel(), self.ctx.config.run_id))
         meta, w, opt, donor = await rec.fetch(stage, optimizer=True, min_iteration=it)
         got = int(meta["iteration"])
         r = Rebuilt(stage, "replica", got, w, opt, {stage: donor})

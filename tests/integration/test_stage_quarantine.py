@@ -8,7 +8,8 @@ replica's, the coordinator's audit replays each replica's last AdamW step from i
 and attributes the deviation to the attacker alone (`replica_audit`), counts
 `swarmnode_security_flags_total{check="replica_commit"}`, quarantines it
 (`swarmnode_pipeline_quarantined_replicas` 1, `replica_quarantined`) and re-plans without it;
-the honest replica carries the stage to the end, every honest node exits 0, and the final
+a replacement started then copies the honest replica (never the quarantined one, still live) and
+steps in lockstep with it; the stage reaches the end, every honest node exits 0, and the final
 validation loss is finite and within `LOSS_BOUND` of an all-honest run of the same seeds measured
 in the same test.
 """
@@ -59,6 +60,13 @@ def run(tmp_path, attack: bool) -> dict:
             for i, s in enumerate(LAYOUT)]
         deadline = time.monotonic() + DEADLINE_S
         honest = [n for i, n in enumerate(nodes) if not (attack and i == ATTACKER)]
+        replacement = None
+        if attack:           # the quarantined slot is refilled: a replacement copies the honest replica
+            while not events(boot, "replica_quarantined"):
+                assert time.monotonic() < deadline and boot.alive(), boot.log_text()[-3000:]
+                time.sleep(0.2)
+            replacement = swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true"])
+            honest.append(replacement)
         boot_metrics: dict = {}
         for n in honest:
             rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
@@ -67,7 +75,7 @@ def run(tmp_path, attack: bool) -> dict:
         wall = time.monotonic() - t0
     final = max((e for n in nodes[:2] for e in events(n, "pipeline_eval")), key=lambda e: e["iteration"])
     return {"boot": boot, "nodes": nodes, "metrics": boot_metrics, "wall": wall, "eval_loss": final["eval_loss"],
-            "final_iteration": final["iteration"]}
+            "final_iteration": final["iteration"], "replacement": replacement}
 
 
 def test_malicious_middle_replica_is_quarantined_and_training_matches_an_honest_run(tmp_path):
@@ -92,9 +100,19 @@ def test_malicious_middle_replica_is_quarantined_and_training_matches_an_honest_
 
     # the honest replica carried the stage to the end; training finished
     assert [e["iteration"] for e in events(good, "stage_step")][-1] == ITERATIONS - 1
+    # the slot was refilled from the honest replica, never from the quarantined one (still live, still
+    # publishing its card), and the copy steps in lockstep with its donor
+    repl = attacked["replacement"]
+    rec = events(repl, "stage_recovered")
+    assert rec and rec[0]["stage"] == 1 and rec[0]["rule"] == "replica", repl.log_text()[-3000:]
+    assert set(rec[0]["donors"].values()) == {good.peer_id}, rec
+    mine = {e["iteration"]: e["weights_sha256"] for e in events(repl, "stage_step")}
+    theirs = {e["iteration"]: e["weights_sha256"] for e in events(good, "stage_step")}
+    assert len(mine) >= 5 and all(mine[k] == theirs[k] for k in mine if k in theirs), (len(mine), rec)
     assert attacked["final_iteration"] == honest["final_iteration"] == ITERATIONS
     loss, ref = attacked["eval_loss"], honest["eval_loss"]
     print(f"\nfinal validation loss: attacked+quarantined {loss:.4f}, all-honest {ref:.4f} "
           f"({(loss - ref) / ref:+.2%}); quarantined at iteration {q[0]['why']}; "
-          f"wall {honest['wall']:.0f} s honest, {attacked['wall']:.0f} s attacked")
+          f"wall {honest['wall']:.0f} s honest, {attacked['wall']:.0f} s attacked; replacement joined at "
+          f"iteration {rec[0]['iteration']} and stepped {len(mine)} in lockstep with its donor")
     assert math.isfinite(loss) and abs(loss - ref) <= LOSS_BOUND * ref, (loss, ref)

@@ -300,3 +300,40 @@ def test_a_neighbour_found_lost_during_the_rebuild_sends_the_stage_to_its_checkp
     rule, rebuilt = asyncio.run(go())
     assert fetching == ["average"] and rule.rule == "checkpoint" and rebuilt is None
     assert len(calls) == 3                         # stopped as soon as stage 3 was reported lost
+
+
+def test_a_replacement_never_copies_a_quarantined_replica(monkeypatch):
+    """After a quarantine the attacker is still live and still publishes a READY card for its stage,
+    possibly the most advanced one: the donors a replacement asks are the coordinator's non-quarantined
+    nodes only (ScheduleStatus.quarantined)."""
+    import asyncio
+    import time as _time
+    from types import SimpleNamespace
+
+    import pipeline.recovery as recovery
+    from node.card import CardView, NodeCard
+    from pipeline.config import CheckFreeConfig
+    from pipeline.recovery import StageRecovery
+
+    def view(peer, it):
+        card = NodeCard(role="stage", state="ready", version="0", grpc_addr="127.0.0.1:1", started_at=0.0,
+                        published_at=_time.time(), details={"stage": 1, "iteration": it, "cfg_hash": "h1"})
+        return CardView(peer, card, _time.time() + 30)
+
+    views = [view("attacker", 40), view("honest", 30)]
+
+    async def fake_read_cards(dht, run_id):
+        return views
+    monkeypatch.setattr(recovery, "read_cards", fake_read_cards)
+
+    async def status():
+        return SimpleNamespace(quarantined=["attacker"])
+
+    rec = StageRecovery(ctx=SimpleNamespace(config=SimpleNamespace(run_id="r"), membership=SimpleNamespace(dht=None)),
+                        me="peerZ", n_stages=3, cfg=CheckFreeConfig(), build=lambda i: None,
+                        cfg_hash_of=lambda i: f"h{i}", status=status)
+    got = asyncio.run(rec._donor_views(1))
+    assert [v.peer_id for v in got] == ["honest"]
+    rec.status = None                    # no coordinator to ask: the card order alone would pick the attacker
+    rec.quarantined = set()
+    assert [v.peer_id for v in asyncio.run(rec._donor_views(1))][0] == "attacker"
