@@ -123,7 +123,15 @@ class CheckFreeConfig(BaseModel):
 
     standby: bool = False
     """With `recover`: a hot spare. Wait (without a stage, unplanned) until the coordinator reports
-    a stage with no live node and rebuild that one; never join a live stage as a replica."""
+    a stage with no live node and rebuild that one, or (see `standby_refill_s`) one that stays a
+    replica short; never join a live stage only to add a replica."""
+
+    standby_refill_s: float = Field(5.0, ge=0)
+    """A hot spare also refills a stage that has stayed below the replicas it had in the plan (a
+    replica lost or quarantined) for this many seconds, by copying a live replica. Long enough for
+    the second replica of a stage losing both to be detected too (detection takes ~2-3 s), so the
+    spare rebuilds the lost stage instead of copying a dying replica. 0 = only lost stages (keep
+    every spare for the worse failure)."""
 
     lr_scale: float = Field(1.1, gt=0)
     """A rebuilt stage restarts with a fresh AdamW at lr_scale x the configured LR (official: 1.1

@@ -161,12 +161,6 @@ def rebuilt_from_checkpoint(state: dict, stage: int, iteration: int) -> Rebuilt:
                         f"{iteration - state['meta']['iteration']} iterations old)", checkpoint=state)
 
 
-def skeleton_names(build: Callable[[int], nn.Module], stage: int) -> list[str]:
-    """Parameter names of `stage`'s module, built on the meta device (no memory, no init cost)."""
-    with torch.device("meta"):
-        return [n for n, _ in build(stage).named_parameters()]
-
-
 # ---------------------------------------------------------------------------------- gRPC glue
 async def coordinator_status(channel: grpc.aio.Channel, run_id: str, timeout: float = 5.0):
     stub = pipeline_pb2_grpc.ScheduleStub(channel)
@@ -185,21 +179,41 @@ class StageRecovery:
         self.has_checkpoint, self.offload = has_checkpoint, offload
         self.run_id = ctx.config.run_id
         self.quarantined: set[str] = set()     # the coordinator's quarantined stage nodes: never a donor
+        self._skeletons: dict[int, nn.Module] = {}
+
+    async def skeleton(self, stage: int) -> nn.Module:
+        """`stage`'s module on the meta device (names and shapes, no memory), built once per stage
+        in a worker thread: torch's first meta build imports its meta kernels (1-13 s on a loaded
+        2-core machine), which on the event loop would stall the node (its health answers too)."""
+        if stage not in self._skeletons:
+            def build() -> nn.Module:
+                with torch.device("meta"):
+                    return self.build(stage)
+            self._skeletons[stage] = await asyncio.to_thread(build)
+        return self._skeletons[stage]
+
+    async def names(self, stage: int) -> list[str]:
+        return [n for n, _ in (await self.skeleton(stage)).named_parameters()]
 
     async def vacancy(self) -> tuple[int, object]:
         """(stage to take, the coordinator's status) once the coordinator names one."""
         t0 = time.monotonic()
         deadline = t0 + max(self.cfg.wait_s, 60.0)
         last = None
+        short_since: dict[int, float] = {}       # a hot spare: stage -> when it was first seen short
         while self.cfg.standby or time.monotonic() < deadline:
             try:
                 st = await self.status()
                 last = st
+                now = time.monotonic()
+                short_since = {s: short_since.get(s, now) for s in st.short_stages}
                 # a lost stage or replica first; with none, join the least-replicated stage (a replica
                 # copy) only after SUSPEND_WAIT_S, so a replacement started at the failure does not race
-                # detection
-                patient = self.cfg.standby or time.monotonic() - t0 < min(self.cfg.wait_s, SUSPEND_WAIT_S)
-                needed = st.suspended or (st.vacancy in st.short_stages and not self.cfg.standby)
+                # detection; a hot spare refills a short stage once it has stayed short (standby_refill_s)
+                patient = self.cfg.standby or now - t0 < min(self.cfg.wait_s, SUSPEND_WAIT_S)
+                refill = (not self.cfg.standby or (self.cfg.standby_refill_s > 0 and st.vacancy in short_since
+                                                   and now - short_since[st.vacancy] >= self.cfg.standby_refill_s))
+                needed = st.suspended or (st.vacancy in st.short_stages and refill)
                 if st.vacancy >= 0 and st.epoch > 0 and (needed or not patient):
                     return st.vacancy, st
             except grpc.aio.AioRpcError as exc:
@@ -298,16 +312,12 @@ class StageRecovery:
     async def fetch(self, stage: int, *, optimizer: bool, min_iteration: int = 0):
         """(meta, weights under `stage`'s own names, optimizer or None, donor peer ID) from a live
         node of `stage`; tries each candidate (dead cards fail fast) until `wait_s` passes."""
-        me_names = None
-        spec_mod = None
+        spec_mod = await self.skeleton(stage)
+        me_names = [n for n, _ in spec_mod.named_parameters()]
         deadline = time.monotonic() + self.cfg.wait_s
         errors: list[str] = []
         while True:
             for v in await self._donor_views(stage):
-                if spec_mod is None:
-                    with torch.device("meta"):
-                        spec_mod = self.build(stage)
-                    me_names = [n for n, _ in spec_mod.named_parameters()]
                 try:
                     meta, tensors = await fetch_state(
                         v.card.grpc_addr, self.run_id, self.me, self.cfg_hash_of(stage), param_spec(spec_mod),
@@ -327,7 +337,7 @@ class StageRecovery:
             await asyncio.sleep(RETRY_S)
 
     async def rebuild(self, stage: int, r: Recovery) -> Rebuilt:
-        mine = skeleton_names(self.build, stage)
+        mine = await self.names(stage)
         t0 = time.monotonic()
         if r.rule == "replica":
             meta, w, opt, donor = await self.fetch(stage, optimizer=True)
@@ -340,7 +350,7 @@ class StageRecovery:
                 raise RecoveryError("stage 0 (embedding and head) cannot be rebuilt by the live role yet: restart "
                                     "the run from a checkpoint")
             meta, w, _, donor = await self.fetch(src, optimizer=False)
-            out = Rebuilt(stage, r.rule, int(meta["iteration"]), relabel(w, skeleton_names(self.build, src), mine),
+            out = Rebuilt(stage, r.rule, int(meta["iteration"]), relabel(w, await self.names(src), mine),
                           None, {src: donor}, {src: float(meta.get("grad_norm", "nan"))}, warn=r.warn)
         else:
             raise RecoveryError(f"rule {r.rule!r} for stage {stage} is handled by the caller (checkpoint)")
@@ -370,8 +380,8 @@ class StageRecovery:
         nl, nr = float(ml.get(key, "nan")), float(mr.get(key, "nan"))
         if il == 0:      # no step yet: no norms; the midpoint
             nl = nr = 0.0
-        weights = average_neighbours(relabel(wl, skeleton_names(self.build, left), mine),
-                                     relabel(wr, skeleton_names(self.build, right), mine),
+        names_l, names_r = await self.names(left), await self.names(right)
+        weights = average_neighbours(relabel(wl, names_l, mine), relabel(wr, names_r, mine),
                                      left_norm=nl, right_norm=nr, left_iteration=il, right_iteration=ir,
                                      power=self.cfg.norm_power)
         return Rebuilt(stage, r.rule, il, weights, None, {left: dl, right: dr}, {left: nl, right: nr}, warn=r.warn)

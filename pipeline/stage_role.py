@@ -356,6 +356,13 @@ class StageRole(RoleBase):
                             cfg_hash_of=self._cfg_hash_of, status=status, has_checkpoint=has_ckpt,
                             offload=self.compute.run)
         await self.ctx.set_role_ready(False, "recovering", "asking the coordinator which stage to rebuild")
+        # build every stage's meta skeleton while waiting (a spare waits long): the rebuild then
+        # starts fetching at once
+        async def warm_up() -> None:
+            for i in range(self.s.schedule.stages):
+                await rec.skeleton(i)
+        warm = asyncio.ensure_future(warm_up())
+        warm.add_done_callback(lambda f: f.cancelled() or f.exception())   # a failure resurfaces in the rebuild
         while True:
             stage, st = await rec.vacancy()
             self.ctx.card.update(publish=True, recovering=stage)     # the coordinator sends the next one elsewhere
@@ -367,8 +374,11 @@ class StageRole(RoleBase):
         log.info("taking stage %d (coordinator: %s)", stage, st.reason,
                  extra={"event": "recovery_started", "stage": stage, "missing": list(st.missing_stages),
                         "live": list(st.live_stages)})
+        t_take = time.monotonic()
         rule, rebuilt = await rec.decide_and_rebuild(stage, st)
+        t_built = time.monotonic()
         await self.compute.run(self._build, stage)
+        build_s = time.monotonic() - t_built
         M.STAGE_INDEX.set(stage)
         if rule.rule in ("checkpoint", "nearest"):
             M.ADJACENT_FAILURES.inc()
@@ -400,6 +410,8 @@ class StageRole(RoleBase):
                         "donors": {str(k): v for k, v in r.donors.items()},
                         "norms": {str(k): v for k, v in r.norms.items()}, "fetch_s": round(r.fetch_s, 3),
                         "apply_s": round(apply_s, 3), "total_s": round(time.monotonic() - t0, 3), "lr": lr,
+                        "rebuild_s": round(t_built - t_take, 3), "build_s": round(build_s, 3),
+                        "waited_s": round(t_take - t0, 3),
                         "lr_base": self.opt.param_groups[0]["initial_lr"],
                         "fresh_optimizer": r.optimizer is None and r.checkpoint is None, "warn": r.warn})
 

@@ -8,8 +8,8 @@ replica's, the coordinator's audit replays each replica's last AdamW step from i
 and attributes the deviation to the attacker alone (`replica_audit`), counts
 `swarmnode_security_flags_total{check="replica_commit"}`, quarantines it
 (`swarmnode_pipeline_quarantined_replicas` 1, `replica_quarantined`) and re-plans without it;
-a replacement started then copies the honest replica (never the quarantined one, still live) and
-steps in lockstep with it; the stage reaches the end, every honest node exits 0, and the final
+a hot spare started with the swarm (`stage.checkfree.standby`) then refills the slot: it copies
+the honest replica (never the quarantined one, still live) and steps in lockstep with it; the stage reaches the end, every honest node exits 0, and the final
 validation loss is finite and within `LOSS_BOUND` of an all-honest run of the same seeds measured
 in the same test.
 """
@@ -32,6 +32,7 @@ ATTACKER = 3                  # index into LAYOUT: the second replica of the mid
 EDIT = 0.5                    # per-element edit, in units of the LR: in-bound for AdamW, far above replay noise
 LOSS_BOUND = 0.02             # the issue's bound: within 2% of an all-honest run
 DEADLINE_S = 100
+REFILL_S = 2.0                # a hot spare refills a stage that stayed a replica short this long
 
 
 def events(node: NodeProc, event: str) -> list[dict]:
@@ -61,11 +62,10 @@ def run(tmp_path, attack: bool) -> dict:
         deadline = time.monotonic() + DEADLINE_S
         honest = [n for i, n in enumerate(nodes) if not (attack and i == ATTACKER)]
         replacement = None
-        if attack:           # the quarantined slot is refilled: a replacement copies the honest replica
-            while not events(boot, "replica_quarantined"):
-                assert time.monotonic() < deadline and boot.alive(), boot.log_text()[-3000:]
-                time.sleep(0.2)
-            replacement = swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true"])
+        if attack:           # a hot spare refills the quarantined slot by copying the honest replica
+            replacement = swarm.start("stage", name="replacement", extra_set=[
+                "stage.checkfree.recover=true", "stage.checkfree.standby=true",
+                f"stage.checkfree.standby_refill_s={REFILL_S}"])
             honest.append(replacement)
         boot_metrics: dict = {}
         for n in honest:

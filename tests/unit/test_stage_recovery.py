@@ -337,3 +337,43 @@ def test_a_replacement_never_copies_a_quarantined_replica(monkeypatch):
     rec.status = None                    # no coordinator to ask: the card order alone would pick the attacker
     rec.quarantined = set()
     assert [v.peer_id for v in asyncio.run(rec._donor_views(1))][0] == "attacker"
+
+
+def test_a_hot_spare_refills_a_stage_only_after_it_stayed_a_replica_short():
+    """standby_refill_s: a spare copies a replica into a stage that stayed short that long (a lost
+    or quarantined replica), never at the first sight of it (the stage's other replica may be dying
+    too); with 0 it waits for a lost stage only."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pipeline.recovery as recovery
+    from pipeline.config import CheckFreeConfig
+    from pipeline.recovery import StageRecovery
+
+    short = SimpleNamespace(epoch=2, suspended=False, vacancy=1, short_stages=[1])
+
+    async def status():
+        return short
+
+    def spare(refill):
+        return StageRecovery(ctx=SimpleNamespace(config=SimpleNamespace(run_id="r")), me="peerZ", n_stages=3,
+                             cfg=CheckFreeConfig(recover=True, standby=True, standby_refill_s=refill),
+                             build=lambda i: None, cfg_hash_of=str, status=status)
+
+    async def timed(rec, limit):
+        t0 = asyncio.get_running_loop().time()
+        stage, _ = await asyncio.wait_for(rec.vacancy(), limit)
+        return stage, asyncio.get_running_loop().time() - t0
+
+    old = recovery.RETRY_S
+    recovery.RETRY_S = 0.05
+    try:
+        stage, waited = asyncio.run(timed(spare(0.4), 5))
+        assert stage == 1 and 0.4 <= waited < 1.5
+        try:
+            asyncio.run(timed(spare(0.0), 1.0))
+            raise AssertionError("a spare with standby_refill_s=0 took a live stage")
+        except (asyncio.TimeoutError, TimeoutError):
+            pass
+    finally:
+        recovery.RETRY_S = old
