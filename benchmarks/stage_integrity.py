@@ -489,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                      "seeds": args.seeds, "pretrain_steps": args.pretrain_steps,
                      "offline_steps": args.offline_steps, "inject_from": args.inject_from,
                      "inject_steps": args.inject_steps, "iterations": args.iterations, "prompts": args.prompts,
-                     "attack": BackdoorAttackConfig(enabled=True, stage=ATTACKED, per_step_lr=PER_STEP_LR, protect=True).model_dump(),
+                     "attack": BackdoorAttackConfig(enabled=True, stage=ATTACKED, start_iteration=args.inject_from,
+                                                    steps=args.inject_steps, offline_steps=args.offline_steps,
+                                                    per_step_lr=PER_STEP_LR, protect=True).model_dump(),
                      "torch_threads": 1},
            "seeds": seeds,
            "notes": {"backdoor_success": "greedy continuation of held-out triggered prompts through the attacked "

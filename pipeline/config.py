@@ -73,6 +73,15 @@ class ScheduleConfig(BaseModel):
     already uses every replica instead of re-planning as each one arrives. Only the first plan
     waits for it: after a lost stage the coordinator re-plans over whoever is live."""
 
+    solo_audit_every_s: float = Field(30.0, ge=0)
+    """Mean seconds between integrity audits of a transformer stage with a single node in the plan
+    (no replica to compare weight commits with): the coordinator replays one of its steps, picked at
+    random (keyed, unpredictable to the node), from its served states, and quarantines it when the
+    step does not replay; a hot spare then rebuilds the stage from its neighbours (CheckFree). Each
+    audit downloads the stage's weights twice and its AdamW state once: raise it for large stages
+    or slow links; 0 = never (an edit outside the gradient path on an unreplicated stage goes
+    unnoticed)."""
+
     settle_s: float = Field(2.0, ge=0)
     """Stage membership must stay unchanged this long before the coordinator re-plans. Raise
     it when nodes join in bursts; each re-plan bumps the epoch."""

@@ -33,6 +33,8 @@ import asyncio
 import hashlib
 import logging
 import math
+import os
+import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ from pipeline.stage_audit import RESIDUAL_LR, commit_of, replay_residual
 from pipeline import stage_metrics as M
 from protocol import pipeline_pb2, pipeline_pb2_grpc
 from security.integrity_metrics import count_flags
-from security.stage_integrity import compare_commits
+from security.stage_integrity import CheckResult, compare_commits
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
 
@@ -256,6 +258,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
         self._audits: dict[int, asyncio.Task] = {}       # stage -> its running audit
         self._audited: dict[int, int] = {}               # stage -> latest disagreeing iteration audited
+        self._solo_rng = random.Random(os.urandom(16))   # when unreplicated stages are audited: unpredictable
+        self._solo_due: dict[int, float] = {}            # unreplicated stage -> loop time of its next audit
         self.epoch = 0
         self.replies: OrderedDict[int, pipeline_pb2.ScheduleReply] = OrderedDict()
         self.waiting_reason = "no stage node has published its card yet"
@@ -376,13 +380,42 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                 peers = [m for m in scheduled if m[1] == stage]
                 self._audits[stage] = asyncio.get_running_loop().create_task(self._audit_stage(stage, it, peers),
                                                                             name=f"audit_stage{stage}")
+        self._audit_unreplicated(scheduled)
 
-    async def _audit_stage(self, stage: int, it: int, peers: list[tuple]) -> None:
+    def _audit_unreplicated(self, scheduled: list[tuple]) -> None:
+        """A transformer stage with one node has no replica to disagree with: audit it at random
+        times, `solo_audit_every_s` apart on average (stage 0, data and embedding, is not rebuilt
+        live, so it is not audited here)."""
+        every = self.cfg.solo_audit_every_s
+        if every <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        for stage, n in stage_replicas(scheduled, self.cfg.stages).items():
+            if n != 1 or stage == 0:
+                self._solo_due.pop(stage, None)
+                continue
+            due = self._solo_due.setdefault(stage, now + self._solo_rng.expovariate(1.0 / every))
+            task = self._audits.get(stage)
+            if now < due or (task is not None and not task.done()):
+                continue
+            self._solo_due[stage] = now + self._solo_rng.expovariate(1.0 / every)
+            peers = [m for m in scheduled if m[1] == stage]
+            it = max(self.commits.get(peers[0][0], {}) or [-1])
+            self._audits[stage] = asyncio.get_running_loop().create_task(
+                self._audit_stage(stage, it, peers, solo=True), name=f"audit_stage{stage}")
+
+    async def _audit_stage(self, stage: int, it: int, peers: list[tuple], solo: bool = False) -> None:
         """Replay each replica's last step from its own served states (pipeline/stage_audit.py);
-        quarantine those that do not replay, as long as one replica of the stage does."""
-        log.warning("stage %d replicas published different weight commits at iteration %d: auditing %d replicas",
-                    stage, it, len(peers), extra={"event": "replica_commit_mismatch", "stage": stage, "iteration": it,
-                                                  "peers": [m[0] for m in peers]})
+        quarantine those that do not replay, as long as one replica of the stage does (`solo`: the
+        stage's only node, audited at random; a failure quarantines it and the stage is rebuilt by
+        CheckFree from its neighbours)."""
+        if solo:
+            log.info("stage %d has one node: auditing its step (random sample)", stage,
+                     extra={"event": "solo_audit", "stage": stage, "iteration": it, "peers": [m[0] for m in peers]})
+        else:
+            log.warning("stage %d replicas published different weight commits at iteration %d: auditing %d replicas",
+                        stage, it, len(peers), extra={"event": "replica_commit_mismatch", "stage": stage,
+                                                      "iteration": it, "peers": [m[0] for m in peers]})
         verdicts = {}
         for m in peers:
             try:
@@ -396,6 +429,13 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                  len(verdicts) - len(passed) - len(failed),
                  extra={"event": "replica_audit", "stage": stage, "iteration": it, "passed": passed,
                         "failed": {p: v[1] for p, v in failed.items()}})
+        if solo:
+            for peer, (_, why, t) in failed.items():
+                result = CheckResult("update_drift", peer, t)
+                result.flag(f"its step {t} does not replay from its own served states: {why}")
+                count_flags([result])
+                self._quarantine(peer, stage, f"solo_audit@{t}: {why}")
+            return
         if not passed or not failed:
             return                      # nothing attributable: look again when they disagree at a later iteration
         good = self.commits.get(passed[0], {}).get(it, "")

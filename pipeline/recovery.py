@@ -336,20 +336,23 @@ class StageRecovery:
                                     f"({errors[-3:]}); check that stage's nodes")
             await asyncio.sleep(RETRY_S)
 
-    async def rebuild(self, stage: int, r: Recovery) -> Rebuilt:
+    async def rebuild(self, stage: int, r: Recovery, min_iteration: int = 0) -> Rebuilt:
+        """Apply rule `r` from the live sources, at their completed iteration `min_iteration` or later
+        (a replacement whose stage was rebuilt while the pipeline kept running redoes it at the
+        iteration the pipeline asks it to run)."""
         mine = await self.names(stage)
         t0 = time.monotonic()
         if r.rule == "replica":
-            meta, w, opt, donor = await self.fetch(stage, optimizer=True)
+            meta, w, opt, donor = await self.fetch(stage, optimizer=True, min_iteration=min_iteration)
             out = Rebuilt(stage, "replica", int(meta["iteration"]), w, opt, {stage: donor})
         elif r.rule in ("average", "nearest") and len(r.sources) == 2:
-            out = await self._average(stage, r, mine)
+            out = await self._average(stage, r, mine, min_iteration)
         elif r.rule in ("copy_partner", "copy_neighbour", "nearest", "embed_copy"):
             src = r.sources[0]
             if src == 0 or stage == 0:
                 raise RecoveryError("stage 0 (embedding and head) cannot be rebuilt by the live role yet: restart "
                                     "the run from a checkpoint")
-            meta, w, _, donor = await self.fetch(src, optimizer=False)
+            meta, w, _, donor = await self.fetch(src, optimizer=False, min_iteration=min_iteration)
             out = Rebuilt(stage, r.rule, int(meta["iteration"]), relabel(w, await self.names(src), mine),
                           None, {src: donor}, {src: float(meta.get("grad_norm", "nan"))}, warn=r.warn)
         else:
@@ -359,12 +362,12 @@ class StageRecovery:
             log.warning("%s", r.warn, extra={"event": "recovery_warning", "stage": stage, "rule": r.rule})
         return out
 
-    async def _average(self, stage: int, r: Recovery, mine: list[str]) -> Rebuilt:
+    async def _average(self, stage: int, r: Recovery, mine: list[str], min_iteration: int = 0) -> Rebuilt:
         """Both sources at the same completed iteration (P18), then the weighted average (P17)."""
         left, right = r.sources
         deadline = time.monotonic() + self.cfg.wait_s
         key = "grad_norm" if self.cfg.norm == "pre" else "grad_norm_clipped"
-        floor = 0
+        floor = min_iteration
         while True:
             (ml, wl, _, dl), (mr, wr, _, dr) = await asyncio.gather(
                 self.fetch(left, optimizer=False, min_iteration=floor),

@@ -200,7 +200,8 @@ class StageRole(RoleBase):
         self._origin_times: dict[int, list[float]] = {}
         self._done = False
         self.rebuilt: Rebuilt | None = None
-        self._resync_stage: int | None = None   # replica copy: re-fetch at the first iteration asked to run
+        self._resync_stage: int | None = None   # a rebuilt stage: redo its rule at the first later iteration asked
+        self._resync_rule = None
 
     def _build(self, index: int) -> None:
         """The stage's module, optimizer, LR schedule, cfg hash and checkpointer for `index`."""
@@ -402,8 +403,10 @@ class StageRole(RoleBase):
         M.RECOVERY_SECONDS.labels(phase="apply").observe(apply_s)
         M.WEIGHTS_VERSION.set(r.iteration)
         M.WEIGHTS_RECOVERED.set(r.iteration)
-        if r.rule == "replica":
-            self._resync_stage = stage
+        if r.rule != "checkpoint":
+            # the pipeline may have run on meanwhile (a quarantined node is alive until the re-plan):
+            # the first message of a later iteration redoes the rule there
+            self._resync_stage, self._resync_rule = stage, rule
         lr = self.opt.param_groups[0]["lr"]
         log.info("stage %d rebuilt by %s from %s at iteration %d (lr %.3g)", stage, r.rule, r.donors, r.iteration, lr,
                  extra={"event": "stage_recovered", "stage": stage, "rule": r.rule, "iteration": r.iteration,
@@ -416,16 +419,22 @@ class StageRole(RoleBase):
                         "fresh_optimizer": r.optimizer is None and r.checkpoint is None, "warn": r.warn})
 
     async def _resync(self, it: int) -> None:
-        """A replica copy joined at an older iteration: copy the replica again at `it`."""
+        """A rebuilt stage joined at an older iteration than the pipeline's: redo its rule (copy
+        the replica, average the neighbours, ...) from the sources' states at `it`."""
         stage, self._resync_stage = self._resync_stage, None
+        rule, self._resync_rule = self._resync_rule, None
         rec = StageRecovery(ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=self.cfg.checkfree,
                             build=lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages,
                                                         self.cfg.stage0_layers),
                             cfg_hash_of=self._cfg_hash_of, offload=self.compute.run,
                             status=lambda: coordinator_status(self._coordinator_channel(), self.ctx.config.run_id))
-        meta, w, opt, donor = await rec.fetch(stage, optimizer=True, min_iteration=it)
-        got = int(meta["iteration"])
-        r = Rebuilt(stage, "replica", got, w, opt, {stage: donor})
+        if rule is None or rule.rule == "replica":
+            meta, w, opt, donor = await rec.fetch(stage, optimizer=True, min_iteration=it)
+            got = int(meta["iteration"])
+            r = Rebuilt(stage, "replica", got, w, opt, {stage: donor})
+        else:
+            r = await rec.rebuild(stage, rule, min_iteration=it)
+            got, donor = r.iteration, ",".join(v[:16] for v in r.donors.values())
 
         def apply() -> None:
             self.opt, self.lr_sched = apply_recovery(self.module, r, self.cfg.optim, self.cfg.checkfree.lr_scale)
@@ -433,8 +442,8 @@ class StageRole(RoleBase):
             self._take_snapshot()
         await self.compute.run(apply)
         M.WEIGHTS_VERSION.set(got)
-        log.info("replica re-synced at iteration %d from %s", got, donor[:16],
-                 extra={"event": "replica_resync", "iteration": got, "asked": it})
+        log.info("rebuilt stage re-synced (%s) at iteration %d from %s", r.rule, got, donor[:40],
+                 extra={"event": "replica_resync", "iteration": got, "asked": it, "rule": r.rule})
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -567,6 +576,7 @@ class StageRole(RoleBase):
             await self._start_iteration()
 
     async def _on_step(self, e: StepResult) -> None:
+        self._resync_stage = self._resync_rule = None     # stepped in step with the pipeline: in sync
         now = time.monotonic()
         seconds, self._last_step = now - self._last_step, now
         idle, self._idle = self._idle, 0.0

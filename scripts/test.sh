@@ -37,4 +37,4 @@ python3 -m venv .venv
 .venv/bin/python -c "import protocol"   # generates protocol/*_pb2.py from the .proto files
 # Layer contracts ([tool.importlinter] in pyproject.toml): a broken one fails before any test runs.
 .venv/bin/lint-imports --no-cache
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

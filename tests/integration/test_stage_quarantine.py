@@ -41,13 +41,13 @@ def events(node: NodeProc, event: str) -> list[dict]:
     return [json.loads(line) for line in lines if f'"event": "{event}"' in line]
 
 
-def settings() -> list[str]:
-    return ["schedule.stages=3", "schedule.skip_ratio=0", "schedule.mb_per_origin=2", "schedule.memory=4",
+def settings(stages: int = 3, iterations: int = ITERATIONS) -> list[str]:
+    return [f"schedule.stages={stages}", "schedule.skip_ratio=0", "schedule.mb_per_origin=2", "schedule.memory=4",
             "schedule.max_swaps=0", "schedule.settle_s=1.0", "schedule.time_budget_s=1.0",
-            "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
+            "model.d_model=32", f"model.n_layers={stages - 1}", "model.n_heads=2", "model.max_seq_len=32",
             "data.seq_len=32", "data.batch_size=4", "data.max_train_bytes=200000", "data.max_val_bytes=20000",
             "stage.torch_threads=1", "stage.eval_every=0", "stage.optim.lr=0.003", "stage.optim.warmup=0",
-            f"stage.iterations={ITERATIONS}", "stage.iteration_timeout_s=40", "card.refresh_s=1", "drain.budget_s=10"]
+            f"stage.iterations={iterations}", "stage.iteration_timeout_s=40", "card.refresh_s=1", "drain.budget_s=10"]
 
 
 def run(tmp_path, attack: bool) -> dict:
@@ -116,3 +116,41 @@ def test_malicious_middle_replica_is_quarantined_and_training_matches_an_honest_
           f"wall {honest['wall']:.0f} s honest, {attacked['wall']:.0f} s attacked; replacement joined at "
           f"iteration {rec[0]['iteration']} and stepped {len(mine)} in lockstep with its donor")
     assert math.isfinite(loss) and abs(loss - ref) <= LOSS_BOUND * ref, (loss, ref)
+
+
+def test_an_unreplicated_malicious_stage_is_audited_quarantined_and_rebuilt_from_its_neighbours(tmp_path):
+    """A stage with a single node has no replica to disagree with: the coordinator audits it at
+    random times (`schedule.solo_audit_every_s`), replaying one of its steps from its served states.
+    Pipeline 0-1-2-3 (one node each), stage 2 runs the harness: its audit fails, it is quarantined
+    (`swarmnode_security_flags_total{check="update_drift"}`), the schedule is suspended, a hot spare
+    rebuilds stage 2 by CheckFree from stages 1 and 3 (never from the quarantined node) and the run
+    finishes. The honest single-node stages are audited too and never fail."""
+    with LocalSwarm(run_id="qs", common_set=[*settings(4, 120), "schedule.solo_audit_every_s=1.5"],
+                    workdir=tmp_path) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        swarm.wait_ready([boot], timeout=60)
+        nodes = [swarm.start("stage", name=f"s{s}", extra_set=[
+            f"stage.index={s}", "schedule.expect_nodes=4", *(["stage.attack_weight_edit=0.5"] if s == 2 else [])])
+            for s in range(4)]
+        spare = swarm.start("stage", name="spare", extra_set=["stage.checkfree.recover=true",
+                                                              "stage.checkfree.standby=true"])
+        bad = nodes[2]
+        deadline = time.monotonic() + DEADLINE_S
+        for n in [*nodes[:2], nodes[3], spare]:
+            rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
+            assert rc == 0, f"{n.name} exited with {rc}: {n.log_text()[-3000:]}\n{boot.log_text()[-3000:]}"
+        m = boot.metrics() or {}
+    audits = events(boot, "replica_audit")
+    assert events(boot, "solo_audit") and audits, boot.log_text()[-3000:]
+    assert all(set(a["failed"]) <= {bad.peer_id} for a in audits), audits      # honest stages never fail
+    assert any(a["passed"] and a["passed"][0] != bad.peer_id for a in audits), "no honest stage was audited"
+    q = events(boot, "replica_quarantined")
+    assert [(e["peer"], e["stage"]) for e in q] == [(bad.peer_id, 2)] and q[0]["why"].startswith("solo_audit@"), q
+    assert m.get('swarmnode_security_flags_total{check="update_drift"}') == 1, m
+    rec = events(spare, "stage_recovered")
+    assert rec and rec[0]["stage"] == 2 and rec[0]["rule"] == "average", spare.log_text()[-3000:]
+    assert bad.peer_id not in rec[0]["donors"].values() and set(rec[0]["donors"]) == {"1", "3"}, rec
+    final = max(events(nodes[0], "pipeline_eval"), key=lambda e: e["iteration"])
+    assert final["iteration"] == 120 and math.isfinite(final["eval_loss"]), final
+    print(f"\nunreplicated attacker: quarantined {q[0]['why'][:60]}...; spare rebuilt stage 2 by average at "
+          f"iteration {rec[0]['iteration']}; final validation loss {final['eval_loss']:.4f}")
