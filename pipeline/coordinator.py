@@ -516,6 +516,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             vacancy=pick_vacancy(replicas, set(self.claims.values()), self.peak) if self.live else -1,   # nothing to rebuild from
             down_stages=sorted(self.reported_down), claimed_stages=sorted(set(self.claims.values())), claims=self.claims,
             quarantined=sorted(self.quarantined),
+            hold=bool(self.scheduled) and not {m[0] for m in self.scheduled} <= {m[0] for m in self.live},
             short_stages=[s for s, n in replicas.items() if 0 < n < self.peak.get(s, 0)],
             reason=(f"stages {missing} have no live node" if suspended else self.waiting_reason if not self.scheduled
                     else "running"), replicas=replicas)

@@ -82,6 +82,8 @@ from protocol.streams import add_tensor_stream_to_server
 log = logging.getLogger("swarmnode.stage")
 
 CHECKPOINT_FORMAT = "swarmnode-stage-v1"
+SUSPEND_POLL_S = 0.5
+"""How often a data node asks the coordinator whether the schedule is suspended (one small RPC)."""
 FIN_FLUSH_S = 10.0
 """Longest wait for the `fin` messages to leave before the evaluating node drains."""
 
@@ -202,6 +204,8 @@ class StageRole(RoleBase):
         self.rebuilt: Rebuilt | None = None
         self._resync_stage: int | None = None   # a rebuilt stage: redo its rule at the first later iteration asked
         self._resync_rule = None
+        self._running = asyncio.Event()          # data nodes: cleared while the coordinator reports suspended
+        self._running.set()
 
     def _build(self, index: int) -> None:
         """The stage's module, optimizer, LR schedule, cfg hash and checkpointer for `index`."""
@@ -466,6 +470,8 @@ class StageRole(RoleBase):
         if self.coordinator is None:
             self.coordinator = await self._find_coordinator()
         self._tasks.append(asyncio.ensure_future(self._watch()))
+        if self.cfg.index == 0:
+            self._tasks.append(asyncio.ensure_future(self._watch_suspension()))
         await self._have_schedule.wait()
         await self._settle()
         self._last_step = time.monotonic()
@@ -494,7 +500,29 @@ class StageRole(RoleBase):
         sched = self.ex.schedules[self.ex.epoch]
         return sched.names[sched.origins[0]] == self.me
 
+    async def _watch_suspension(self) -> None:
+        """Data nodes: follow the coordinator's `suspended` and `hold` (polled every SUSPEND_POLL_S).
+        While the published plan names a node that is gone or quarantined, no new iteration starts:
+        an iteration in flight when a stage node was quarantined (alive, so the pipeline would run on
+        through it) ends, the next waits for the re-plan, and a rebuilt stage joins a pipeline at rest."""
+        while not self._done:
+            try:
+                st = await coordinator_status(self._coordinator_channel(), self.ctx.config.run_id,
+                                              timeout=SUSPEND_POLL_S * 4)
+                if st.suspended or st.hold:
+                    self._running.clear()
+                else:
+                    self._running.set()
+            except grpc.aio.AioRpcError:
+                pass                                   # keep the last answer; the next poll retries
+            await asyncio.sleep(SUSPEND_POLL_S)
+
     async def _start_iteration(self) -> None:
+        if not self._running.is_set():
+            log.warning("iteration %d waits: the coordinator holds the schedule (a planned node is gone or "
+                        "quarantined); it starts after the re-plan",
+                        self.ex.iteration, extra={"event": "pipeline_held", "iteration": self.ex.iteration})
+            await self._running.wait()
         if self._train_t0 is None:
             self._train_t0 = time.monotonic()
         self._origin_times[self.ex.iteration] = [time.time()]
