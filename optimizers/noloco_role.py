@@ -62,6 +62,9 @@ from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, someone_can_meet, st
 
 log = logging.getLogger("swarmnode.noloco")
 
+JOIN_WAIT_S = 60.0
+"""A starting worker waits at most this long for its DHT join before looking for a state donor."""
+
 
 class WorkerConfig(NoLoCoConfig):
     """``[noloco]``: the method knobs (optimizers/config.py) plus how this worker runs."""
@@ -311,6 +314,11 @@ class NoLoCoRole(RoleBase):
 
     async def _try_join(self) -> None:
         await self.ctx.set_role_ready(False, "state_sync", "looking for a peer with the run's current state")
+        # the role starts while the node is still joining the DHT: a card read before the join sees no
+        # donor and the worker would start the run over from round 0 (seen in CI). Wait for the join.
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while not self.ctx.membership.status.joined and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         got = await self._fetch_from_donor(min_round=1)
         if got is not None:
             rnd, phi, donor = got
