@@ -22,6 +22,9 @@ Message kinds (meta values are ints; `it` iteration, `ep` schedule epoch):
 - ``ev``   validation along the full in-order path (pipeline/stage_eval.py)
 - ``fin``  the run is over (sent by the evaluating origin after the final validation)
 
+`fwd`, `bwd`, `eoi` and `grad` also carry `pe`, the epoch the sender's previous iteration ran on:
+a rebuilt stage tells from it whether the pipeline stepped its iteration without it (`missed`).
+
 Messages of a later iteration are kept until this node gets there; of an earlier one dropped.
 
 A newer schedule that drops a node of the running iteration's schedule (a lost stage or
@@ -124,6 +127,7 @@ class StageExecutor:
         self.floor_epoch = 0             # messages of older epochs belong to an aborted iteration
         self.pending: list[Out] = []     # messages a schedule change produced with no `emit` to send them
         self.iteration = 0               # = optimizer steps taken
+        self.prev_epoch = -1             # the epoch iteration - 1 ran on here (-1: not here: a fresh or rebuilt stage)
         self._it: dict[int, _Iter] = {}
         self._future: list[Msg] = []
         self.dropped: Counter = Counter()
@@ -239,11 +243,12 @@ class StageExecutor:
         self.emit(outs)
         return []
 
-    @staticmethod
-    def _hop_meta(st: _Iter, sched: Schedule, p: int, h: int) -> dict[str, int]:
-        """Every pipeline message names (iteration, epoch, path ID, hop, originator, mb_seq)."""
+    def _hop_meta(self, st: _Iter, sched: Schedule, p: int, h: int) -> dict[str, int]:
+        """Every pipeline message names (iteration, epoch, path ID, hop, originator, mb_seq) and
+        `pe`, the epoch this node's previous iteration ran on."""
         origin = sched.paths[p][0]
-        return {"ep": st.epoch, "p": p, "h": h, "o": origin, "q": sched.path_ids(origin).index(p)}
+        return {"ep": st.epoch, "p": p, "h": h, "o": origin, "q": sched.path_ids(origin).index(p),
+                "pe": self.prev_epoch}
 
     def _launch(self, st: _Iter, sched: Schedule, me: int) -> list[Out]:
         seq = st.seqs.popleft()
@@ -444,7 +449,7 @@ class StageExecutor:
         if st.done == st.n_mine:
             st.eoi.add(me)
             self.events.append(OriginDone(self.iteration))
-            meta = {"it": self.iteration, "ep": st.epoch, "o": me}
+            meta = {"it": self.iteration, "ep": st.epoch, "o": me, "pe": self.prev_epoch}
             outs += [Out(sched.names[x], "eoi", meta, placeholder()) for g in sched.partitions for x in g if x != me]
         return outs
 
@@ -471,7 +476,7 @@ class StageExecutor:
         st.grads_sent = True
         flat = self._flat_grads()
         st.grads[self.me] = (st.visits, flat, self.latest_epoch)
-        meta = {"it": self.iteration, "ep": st.epoch, "v": st.visits, "ne": self.latest_epoch}
+        meta = {"it": self.iteration, "ep": st.epoch, "v": st.visits, "ne": self.latest_epoch, "pe": self.prev_epoch}
         outs = [Out(r, "grad", meta, flat) for r in self._replicas(sched) if r != self.me]
         return outs + self._maybe_step(st, sched)
 
@@ -528,11 +533,27 @@ class StageExecutor:
         res = StepResult(self.iteration, st.visits, total, norm, clipped, weights_sha256(self.module), loss,
                          next_epoch)
         del self._it[self.iteration]
+        self.prev_epoch = st.epoch
         self.iteration += 1
         self.epoch = max(self.epoch, next_epoch)     # the role fetches it before start_iteration if unseen
         self.records.append(res)
         self.events.append(res)
         return self._replay()
+
+    def missed(self, msg: Msg) -> bool:
+        """True when `msg` shows the pipeline stepped this node's iteration without it (a stage
+        rebuilt while the pipeline ran on through a quarantined node): a message two or more
+        iterations ahead, or one ahead whose sender ran its previous iteration on a schedule that
+        does not name this node (or that this node does not have: fetch `pe` first). A message one
+        ahead from a schedule naming this node is only early: this node's part is still due (the
+        origins' `eoi` of the iteration can arrive after a successor's first forward of the next)."""
+        it = msg.meta.get("it", -1)
+        if it <= self.iteration:
+            return False
+        if it > self.iteration + 1:
+            return True
+        sched = self.schedules.get(msg.meta.get("pe", -1))
+        return sched is None or self.me not in sched.names
 
     def _replay(self) -> list[Out]:
         ready = [m for m in self._future if m.meta.get("it") == self.iteration]

@@ -347,19 +347,21 @@ class StageRole(RoleBase):
         except (ScheduleViolation, grpc.aio.AioRpcError) as exc:
             log.warning("could not fetch schedule epoch %d: %r", ep, exc)
 
+    def _stage_recovery(self) -> StageRecovery:
+        root = self.cfg.checkpoint_dir
+        return StageRecovery(
+            ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=self.cfg.checkfree,
+            build=lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages, self.cfg.stage0_layers),
+            cfg_hash_of=self._cfg_hash_of, offload=self.compute.run,
+            status=lambda: coordinator_status(self._coordinator_channel(), self.ctx.config.run_id),
+            has_checkpoint=lambda i: bool(root) and newest_checkpoint(root, i, CHECKPOINT_FORMAT,
+                                                                      self._cfg_hash_of(i)) is not None)
+
     async def _recover(self) -> None:
         """Replacement start-up: learn the stage to take, rebuild it from live peers (CheckFree)."""
         t0 = time.monotonic()
-        status = lambda: coordinator_status(self._coordinator_channel(), self.ctx.config.run_id)  # noqa: E731
-        cf = self.cfg.checkfree
-        build = lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages,  # noqa: E731
-                                      self.cfg.stage0_layers)
         root = self.cfg.checkpoint_dir
-        has_ckpt = lambda i: bool(root) and newest_checkpoint(root, i, CHECKPOINT_FORMAT,  # noqa: E731
-                                                              self._cfg_hash_of(i)) is not None
-        rec = StageRecovery(ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=cf, build=build,
-                            cfg_hash_of=self._cfg_hash_of, status=status, has_checkpoint=has_ckpt,
-                            offload=self.compute.run)
+        rec = self._stage_recovery()
         await self.ctx.set_role_ready(False, "recovering", "asking the coordinator which stage to rebuild")
         # build every stage's meta skeleton while waiting (a spare waits long): the rebuild then
         # starts fetching at once
@@ -422,23 +424,21 @@ class StageRole(RoleBase):
                         "lr_base": self.opt.param_groups[0]["initial_lr"],
                         "fresh_optimizer": r.optimizer is None and r.checkpoint is None, "warn": r.warn})
 
+    async def _missed(self, msg) -> bool:
+        """A rebuilt stage's first message of a later iteration: did the pipeline step this node's
+        iteration without it (see StageExecutor.missed)? Fetches the schedule the message names."""
+        pe = msg.meta.get("pe", -1)
+        if pe >= 0 and pe not in self.ex.schedules:
+            await self._fetch_epoch(pe)
+        return self.ex.missed(msg)
+
     async def _resync(self, it: int) -> None:
         """A rebuilt stage joined at an older iteration than the pipeline's: redo its rule (copy
         the replica, average the neighbours, ...) from the sources' states at `it`."""
         stage, self._resync_stage = self._resync_stage, None
         rule, self._resync_rule = self._resync_rule, None
-        rec = StageRecovery(ctx=self.ctx, me=self.me, n_stages=self.s.schedule.stages, cfg=self.cfg.checkfree,
-                            build=lambda i: build_stage(self.s.model, self.cfg.seed, i, self.s.schedule.stages,
-                                                        self.cfg.stage0_layers),
-                            cfg_hash_of=self._cfg_hash_of, offload=self.compute.run,
-                            status=lambda: coordinator_status(self._coordinator_channel(), self.ctx.config.run_id))
-        if rule is None or rule.rule == "replica":
-            meta, w, opt, donor = await rec.fetch(stage, optimizer=True, min_iteration=it)
-            got = int(meta["iteration"])
-            r = Rebuilt(stage, "replica", got, w, opt, {stage: donor})
-        else:
-            r = await rec.rebuild(stage, rule, min_iteration=it)
-            got, donor = r.iteration, ",".join(v[:16] for v in r.donors.values())
+        r = await self._stage_recovery().rebuild(stage, rule, min_iteration=it)
+        got, donor = r.iteration, ",".join(v[:16] for v in r.donors.values())
 
         def apply() -> None:
             self.opt, self.lr_sched = apply_recovery(self.module, r, self.cfg.optim, self.cfg.checkfree.lr_scale)
@@ -545,7 +545,7 @@ class StageRole(RoleBase):
             if ep is not None and ep not in self.ex.schedules and msg.meta.get("it", -1) >= self.ex.iteration:
                 await self._fetch_epoch(ep)
             if self._resync_stage is not None and msg.kind in ("fwd", "bwd", "eoi", "grad") \
-                    and msg.meta.get("it", -1) > self.ex.iteration:
+                    and msg.meta.get("it", -1) > self.ex.iteration and await self._missed(msg):
                 try:
                     await self._resync(msg.meta["it"])
                 except RecoveryError as exc:

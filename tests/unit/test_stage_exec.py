@@ -498,3 +498,39 @@ def test_stages_on_cuda_match_the_cpu_reference():
         assert all(p.is_cuda for p in ex.module.parameters())
         for name, g in ex.opt.seen[0].items():
             torch.testing.assert_close(g.cpu(), ref_grads[0][ex.stage][name], atol=1e-4, rtol=1e-4)
+
+
+def test_messages_carry_the_previous_iterations_epoch_and_a_rebuilt_stage_tells_early_from_missed():
+    """`pe` on every message of iteration t names the epoch the sender's iteration t-1 ran on. A
+    stage rebuilt at t-1 that gets a message of t: only early when that epoch names it (its part in
+    t-1 is still due: the origins' eoi can arrive after a successor's first forward of t); missed
+    when it does not (the pipeline stepped t-1 through another node) or when t is two ahead."""
+    sched = _skip_schedule()
+    nodes = _nodes(sched)
+    first = []
+    _run_iteration(nodes, sched, log=first)
+    assert first and all(meta["pe"] == -1 for _, _, k, meta in first if k != "ev")     # nothing stepped yet
+    assert all(ex.prev_epoch == sched.epoch and ex.iteration == 1 for ex in nodes.values())
+    log = []
+    _run_iteration(nodes, sched, log=log)
+    kinds = {k for _, _, k, _ in log}
+    assert {"fwd", "bwd", "eoi"} <= kinds
+    assert all(meta["pe"] == sched.epoch for _, _, k, meta in log if k in ("fwd", "bwd", "eoi", "grad")), log[:3]
+
+    member = nodes[sched.names[sched.partitions[1][0]]]
+    stage1 = member.stage
+    rebuilt = StageExecutor(member.me, stage1, build_stage(CFG, SEED, stage1, S), RecordingSGD([torch.zeros(1)], LR),
+                            memory=3, clip=CLIP)
+    rebuilt.add_schedule(sched)
+    rebuilt.iteration = 2
+    outsider = StageExecutor("not-in-the-schedule", stage1, build_stage(CFG, SEED, stage1, S),
+                             RecordingSGD([torch.zeros(1)], LR), memory=3, clip=CLIP)
+    outsider.add_schedule(sched)
+    outsider.iteration = 2
+    msg = lambda it, pe: Msg("fwd", sched.names[0], {"it": it, "ep": sched.epoch, "pe": pe}, None)  # noqa: E731
+    assert not rebuilt.missed(msg(3, sched.epoch))      # early: its part in iteration 2 is still due
+    assert outsider.missed(msg(3, sched.epoch))         # iteration 2 ran on a schedule without it
+    assert rebuilt.missed(msg(3, sched.epoch + 7))      # a schedule it does not have: fetch it first
+    assert rebuilt.missed(msg(3, -1))                   # the sender is rebuilt too and says nothing
+    assert rebuilt.missed(msg(4, sched.epoch))          # two ahead: stepped without it
+    assert not rebuilt.missed(msg(2, -1)) and not outsider.missed(msg(1, -1))   # its own iteration or older
