@@ -179,18 +179,20 @@ class StageRecovery:
         self.has_checkpoint, self.offload = has_checkpoint, offload
         self.run_id = ctx.config.run_id
         self.quarantined: set[str] = set()     # the coordinator's quarantined stage nodes: never a donor
-        self._skeletons: dict[int, nn.Module] = {}
+        self._skeletons: dict[int, asyncio.Future] = {}
 
     async def skeleton(self, stage: int) -> nn.Module:
         """`stage`'s module on the meta device (names and shapes, no memory), built once per stage
         in a worker thread: torch's first meta build imports its meta kernels (1-13 s on a loaded
-        2-core machine), which on the event loop would stall the node (its health answers too)."""
-        if stage not in self._skeletons:
+        2-core machine), which on the event loop would stall the node (its health answers too).
+        The build is shared: a rebuild asking while the warm-up builds the same stage awaits it."""
+        fut = self._skeletons.get(stage)
+        if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             def build() -> nn.Module:
                 with torch.device("meta"):
                     return self.build(stage)
-            self._skeletons[stage] = await asyncio.to_thread(build)
-        return self._skeletons[stage]
+            fut = self._skeletons[stage] = asyncio.ensure_future(asyncio.to_thread(build))
+        return await asyncio.shield(fut)
 
     async def names(self, stage: int) -> list[str]:
         return [n for n, _ in (await self.skeleton(stage)).named_parameters()]
@@ -237,9 +239,14 @@ class StageRecovery:
             await asyncio.sleep(RETRY_S)
         return True
 
+    @staticmethod
+    def _alive(stage: int, status) -> set[int]:
+        """Stages with a live node, for rebuilding `stage`: a stage lost in the same incident counts
+        as lost even if rebuilt meanwhile (P23)."""
+        return set(status.live_stages) - (set(status.down_stages) - {stage})
+
     def decide(self, stage: int, status) -> Recovery:
-        # a stage lost in the same incident counts as lost even if rebuilt meanwhile (P23)
-        alive = set(status.live_stages) - (set(status.down_stages) - {stage})
+        alive = self._alive(stage, status)
         replicas = dict(status.replicas)
         r = choose_recovery(stage, self.n_stages - 1, alive, replica_alive=replicas.get(stage, 0) > 0,
                             plus=self.cfg.plus, allow_edge_copy=self.cfg.allow_edge_copy,
@@ -272,8 +279,7 @@ class StageRecovery:
                     now = await self.status()
                 except grpc.aio.AioRpcError:
                     continue
-                alive = set(now.live_stages) - (set(now.down_stages) - {stage})
-                lost = [s for s in r.sources if s not in alive]
+                lost = [s for s in r.sources if s not in self._alive(stage, now)]
                 status = now
             task.cancel()
             try:

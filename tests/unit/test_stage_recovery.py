@@ -377,3 +377,37 @@ def test_a_hot_spare_refills_a_stage_only_after_it_stayed_a_replica_short():
             pass
     finally:
         recovery.RETRY_S = old
+
+
+def test_a_stage_skeleton_is_built_once_when_the_warm_up_and_the_rebuild_ask_together():
+    """A spare warms every stage's meta skeleton while it waits; the rebuild that starts meanwhile
+    awaits the build in progress instead of starting a second one (each costs seconds on 2 cores)."""
+    import asyncio
+    import threading
+    import time as _time
+    from types import SimpleNamespace
+
+    from pipeline.config import CheckFreeConfig
+    from pipeline.recovery import StageRecovery
+
+    builds: list[int] = []
+    lock = threading.Lock()
+
+    def build(i):
+        with lock:
+            builds.append(i)
+        _time.sleep(0.2)                     # a slow build: both callers arrive while it runs
+        return build_stage(CFG, SEED, i, S)
+
+    rec = StageRecovery(ctx=SimpleNamespace(config=SimpleNamespace(run_id="r")), me="peerZ", n_stages=S,
+                        cfg=CheckFreeConfig(), build=build, cfg_hash_of=str, status=None)
+
+    async def go():
+        warm = asyncio.ensure_future(rec.skeleton(1))
+        await asyncio.sleep(0.05)
+        names = await rec.names(1)
+        return (await warm), names
+    mod, names = asyncio.run(go())
+    assert builds == [1], builds
+    assert names == [n for n, _ in mod.named_parameters()] and names
+    assert all(p.device.type == "meta" for p in mod.parameters())
