@@ -181,6 +181,17 @@ class Membership:
         return await asyncio.wait_for(asyncio.wrap_future(fut),
                                       self.cfg.dht.bootstrap_timeout_s * 2 + 5)
 
+    async def wait_joined(self, timeout_s: float) -> bool:
+        """Until the node has joined the swarm; False after `timeout_s` without. The daemon starts
+        the role while the node joins: a role reading swarm state at start (cards, donors) calls
+        this first, or it sees an empty swarm (a joiner would start the run over from round 0)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.status.joined:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
     async def join(self, on_progress) -> bool:
         """Try the initial peers until one answers; ``on_progress(status)`` after every attempt.
 

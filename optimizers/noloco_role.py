@@ -314,11 +314,9 @@ class NoLoCoRole(RoleBase):
 
     async def _try_join(self) -> None:
         await self.ctx.set_role_ready(False, "state_sync", "looking for a peer with the run's current state")
-        # the role starts while the node is still joining the DHT: a card read before the join sees no
-        # donor and the worker would start the run over from round 0 (seen in CI). Wait for the join.
-        deadline = time.monotonic() + JOIN_WAIT_S
-        while not self.ctx.membership.status.joined and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        if not await self.ctx.membership.wait_joined(JOIN_WAIT_S):
+            log.warning("not joined to the swarm after %.0f s: looking for a donor among the peers seen so far",
+                        JOIN_WAIT_S, extra={"event": "join_wait_timeout"})
         got = await self._fetch_from_donor(min_round=1)
         if got is not None:
             rnd, phi, donor = got
