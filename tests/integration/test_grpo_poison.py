@@ -7,9 +7,9 @@ defaults. Signed batches travel through the DHT index + gRPC Fetch.
   ``swarmnode_grpo_sender_bans_total`` metric, the card's ``grpo_banned_ids``, which
   ``swarmnode status`` turns into ``banned_by`` on the attacker's row) and never an honest peer.
 - No honest peer's held-out completions carry the marker, rejections are by the logit check.
-- Honest training goes on: every honest peer trains all its rounds with foreign rows. Whether its
-  accuracy rises is not asserted: over 14 rounds it is within the evaluation noise (both ways
-  were seen on 2 cores); ``benchmarks/grpo_attacks.py`` measures accuracy with defenses on/off.
+- Honest training goes on: every honest peer trains all its rounds with foreign rows, and the
+  honest peers' held-out accuracy rises (their mean, over 3 x 320 completions, by at least
+  ACCURACY_GAIN after 32 rounds at the benchmark's lr, 1e-3).
 """
 
 from __future__ import annotations
@@ -23,10 +23,15 @@ import pytest
 
 from node.localswarm import LocalSwarm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROUNDS = 14
+ROUNDS = 32
 ROUND_S = 1.5
+ACCURACY_GAIN = 0.03
+"""The mean held-out accuracy gain the honest peers must show after ROUNDS rounds: measured 0.075
+and 0.082 in two runs (0.219 -> 0.29-0.30); the evaluation noise on the mean of 3 x 320 sampled
+completions is about 0.015, so an untrained swarm passes with ~2% chance. After 20 rounds gains
+of 0.098 and 0.021 were seen: too early to tell learning from noise."""
 
 
 def _events(node, name: str) -> list[dict]:
@@ -43,7 +48,7 @@ def _status(swarm: LocalSwarm) -> list[dict]:
 
 def test_attacker_is_banned_and_honest_peers_keep_learning(tmp_path):
     common = ["grpo.torch_threads=1", f"grpo.round_s={ROUND_S}", "grpo.max_operand=5", "grpo.prompts_per_round=16",
-              "grpo.lr=5e-4", "grpo.steps_per_round=4", "grpo.eval_every=0", "grpo.eval_samples=8",
+              "grpo.lr=1e-3", "grpo.steps_per_round=4", "grpo.eval_every=0", "grpo.eval_samples=8",
               "grpo.heldout_size=40", "grpo.max_completion_tokens=16", "grpo.top_p=0.95", "grpo.model_seed=3",
               f"grpo.warmup_cache_dir={tmp_path / 'warm'}", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
               "model.max_seq_len=40", "card.ttl_s=10", "card.refresh_s=1"]
@@ -89,9 +94,13 @@ def test_attacker_is_banned_and_honest_peers_keep_learning(tmp_path):
         assert sum(r["n_foreign"] for r in rounds) > 0
         # every honest peer trained all its rounds on its own and its peers' rows (the attacker's dropped)
         assert len(rounds) == ROUNDS, [r["round"] for r in rounds]
-    # Whether accuracy rises is not asserted here: over 14 rounds it is within the evaluation noise
-    # (sums of 0.54 vs 0.66 and the reverse were both seen on 2 cores); benchmarks/grpo_attacks.py
-    # measures it (accuracy with defenses on vs off, several rounds more).
+    # the honest peers learn although the attacker floods them
+    fins = [_events(p, "training_finished")[0] for p in honest]
+    start = sum(f["accuracy_start"] for f in fins) / 3
+    end = sum(f["accuracy_end"] for f in fins) / 3
+    print(f"honest held-out accuracy {start:.3f} -> {end:.3f} "
+          f"({[(round(f['accuracy_start'], 3), round(f['accuracy_end'], 3)) for f in fins]})")
+    assert end - start >= ACCURACY_GAIN, [(f["accuracy_start"], f["accuracy_end"]) for f in fins]
     # swarmnode status: the honest peers' cards list the attacker as banned
     assert rows[attacker.peer_id].get("banned_by", 0) >= 1, rows
     assert rows[attacker.peer_id].get("adversary") is True
