@@ -28,8 +28,8 @@ The top-level ``summary``:
 
 Commands (2 CPU cores; repository root, venv active)::
 
-    python benchmarks/grpo_attacks.py --quick --out docs/results/grpo_attacks_quick.json   # 1 seed, < 5 min
-    python benchmarks/grpo_attacks.py --out /tmp/grpo_attacks.json                         # 3 seeds, all runs
+    python benchmarks/grpo_attacks.py --quick --out docs/results/grpo_attacks_quick.json   # 1 seed, 2 modes, < 5 min
+    python benchmarks/grpo_attacks.py --out docs/results/grpo_attacks.json                 # 3 seeds, all runs, ~40 min
 """
 
 from __future__ import annotations
@@ -61,9 +61,14 @@ GRPO: dict[str, Any] = {"max_operand": 5, "top_p": 0.95, "max_completion_tokens"
 round lets an undefended injection take hold within tens of rounds on these tiny models; top-p
 0.95 gives the support check a support to check (with top_p = 1 it is empty)."""
 
-QUICK = {"rounds": 32, "seeds": 1,
-         "runs": [(m, "homogeneous") for m in MODES] + [(m, "heterogeneous") for m in ("inject", "edit")]}
+QUICK = {"rounds": 32, "seeds": 1, "runs": [("edit", "homogeneous"), ("inject", "heterogeneous")]}
+"""The headline comparison in about a minute on an idle 2-core machine (4 runs, 2 at a time): the strongest
+undefended attack (in-context edit: same model, the logit / support check) and the injection into
+a heterogeneous swarm (the rule judge), each with defenses off and on. Every mode, the DoS figures
+and 3 seeds are the full run's."""
 FULL = {"rounds": 100, "seeds": 3, "runs": [(m, s) for s in SWARMS for m in MODES]}
+"""Every mode in both swarms, defenses off and on (verbose also with the token budget alone), 3
+seeds: 66 runs of 100 rounds, about 40 min on an idle 2-core machine (2 runs at a time)."""
 
 
 def _marker_of(mode: str) -> tuple[str, ...]:
@@ -79,7 +84,7 @@ def _marker_of(mode: str) -> tuple[str, ...]:
 
 def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
     """One (mode, swarm, defense, seed) run; returns its figures. Runs in a worker process."""
-    mode, swarm, defended, seed, rounds, cache = args
+    mode, swarm, defended, seed, rounds, cache, *grpo = args   # grpo: the [grpo] settings (default GRPO)
     import torch
 
     from models import ModelConfig
@@ -94,7 +99,7 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     t_start = time.perf_counter()
-    cfg = GRPOConfig(**GRPO)
+    cfg = GRPOConfig(**(grpo[0] if grpo else GRPO))
     run_id = f"attacks-{seed}"
     n_att = 2 if mode == "collude" else 1
     adv_cfg = AdversaryConfig(mode="inject" if mode == "collude" else mode)
@@ -292,7 +297,7 @@ def run(quick: bool, out: Path, seeds: int | None = None, rounds: int | None = N
         warm |= {(100 * seed + 7, HOMO_SIZE), (100 * seed + 7, ATTACKER_SIZE)}
         warm |= {(100 * seed + i, s) for i, s in enumerate(HETERO_SIZES)}
         warm |= {(100 * seed + 50 + j, ATTACKER_SIZE) for j in range(2)}
-    jobs = [(m, s, d, seed, p["rounds"], cache) for seed in range(p["seeds"]) for (m, s) in p["runs"]
+    jobs = [(m, s, d, seed, p["rounds"], cache, dict(GRPO)) for seed in range(p["seeds"]) for (m, s) in p["runs"]
             for d in ((False, True, "budget") if m == "verbose" else (False, True))]
     with ProcessPoolExecutor(workers) as pool:
         list(pool.map(_prewarm, [(w, s, cache) for w, s in sorted(warm)]))
@@ -318,13 +323,17 @@ def run(quick: bool, out: Path, seeds: int | None = None, rounds: int | None = N
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 seed, 32 rounds, homogeneous all modes + "
-                                                         "heterogeneous inject/edit (< 5 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 32 rounds, edit (homogeneous) and inject "
+                                                         "(heterogeneous), defenses off/on (< 5 min on 2 cores)")
     ap.add_argument("--out", type=Path, required=True, help="JSON result file")
     ap.add_argument("--seeds", type=int, default=None, help="seeds (full: 3)")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per run")
     ap.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
+    ap.add_argument("--min-token-weight", type=float, default=None,
+                    help="[grpo.defense] min_token_weight for every peer (the drift rule; default: the config's)")
     args = ap.parse_args(argv)
+    if args.min_token_weight is not None:
+        GRPO["defense"] = {"min_token_weight": args.min_token_weight}
     res = run(args.quick, args.out, args.seeds, args.rounds, args.workers)
     s = res["summary"]
     print(json.dumps({k: s[k] for k in ("attack_success_without_defense", "attack_success_with_defense",
