@@ -60,7 +60,7 @@ class Defense:
         self.cfg, self.model_id, self.decode = cfg, model_id, decode
         self.kind = d.kind
         self.params = LogitCheckParams(cfg.temperature, cfg.top_k, cfg.top_p, d.support_slack, d.min_token_prob,
-                                       d.eps_lp, d.support_min_tokens)
+                                       d.eps_lp, d.support_min_tokens, d.min_token_weight)
         self._judge = judge
         self._on_reject, self._on_ban_cb, self._on_judge = on_reject, on_ban, on_judge
         kw = {"clock": clock} if clock is not None else {}

@@ -44,6 +44,7 @@ class LogitCheckParams:
     min_token_prob: float = 1e-4
     eps_lp: float = 1.0
     support_min_tokens: int = 3
+    min_token_weight: float = 0.0    # > 0: a low / off-support token counts only with exp(ours - claimed) >= this
 
 
 @dataclass
@@ -97,10 +98,18 @@ def logit_check(stats: SupportStats, gen_logp: Tensor, mask: Tensor, params: Log
     if params.top_k:
         off |= stats.rank >= params.top_k
     off &= m
+    if params.min_token_weight > 0:
+        # drift: a token the sender claims probable and we do not has F-TIS weight below the bound
+        # and teaches nothing; only tokens the sender also claims improbable count against it
+        counts = (stats.logp - gen_logp.float()) >= math.log(params.min_token_weight)
+        m_low = m & counts
+        off &= counts
+    else:
+        m_low = m
     floor = math.log(params.min_token_prob) if params.min_token_prob > 0 else float("-inf")
     plp = stats.processed_logp
     finite = torch.isfinite(plp)     # -inf: outside the exact top-p set (off support, or within the slack)
-    low = (stats.logp < floor) & m
+    low = (stats.logp < floor) & m_low
     many_off = off.sum(1) >= max(1, params.support_min_tokens)
     # claimed lower than recomputed, mean over the completion's real tokens: a liar gains only by
     # claiming low generator log-probs (w = exp(l - gen) up to C) and is off on every token, while

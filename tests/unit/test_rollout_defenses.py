@@ -79,6 +79,36 @@ def test_support_needs_several_off_support_tokens_and_masks_padding():
     assert logit_check(support_stats(z, one_off, 1.0, 0, 0.95), gen, mask, p1) == ["support"]
 
 
+def test_min_token_weight_lets_drift_through_and_still_rejects_a_truthful_or_lying_poisoner():
+    """A same-model peer that trained apart samples a token ours finds improbable (p ~ 1e-6) but its
+    own sampler found probable (claimed -0.1 nats): with ``min_token_weight`` that is drift (F-TIS
+    weight exp(-13.7) teaches nothing) and passes; a poisoner claiming its own model's (low) log-prob
+    for the same token is rejected, and a liar claiming -20 everywhere too (its weights go to C)."""
+    z = _logits()
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    marker = torch.tensor([[0, 0, 0, 5]])
+    st = support_stats(z, marker, 1.0, 0, 0.95)
+    low_claim = torch.where(torch.isfinite(st.processed_logp), st.processed_logp, st.logp)  # truthful: ~ -13.8
+    drift_claim = low_claim.clone()
+    drift_claim[0, 3] = -0.1                                # the sender's sampler found it probable
+    base = dict(temperature=1.0, top_p=0.95, support_slack=0.04, min_token_prob=1e-4, eps_lp=1.0, support_min_tokens=1)
+    off = LogitCheckParams(**base)
+    on = LogitCheckParams(**base, min_token_weight=0.05)
+    assert logit_check(st, drift_claim, mask, off) == ["min_prob"]       # without the weight rule: a false reject
+    assert logit_check(st, drift_claim, mask, on) == [None]
+    assert logit_check(st, low_claim, mask, on) == ["min_prob"]
+    assert logit_check(st, torch.full((1, 4), -20.0), mask, on) == ["min_prob"]
+    # off-support tokens alike: counted only when the sender claims them improbable too
+    two_off = torch.tensor([[0, 3, 4, 0]])
+    zz = torch.full((1, 4, 8), 0.0)
+    zz[..., 0] = 6.0
+    st2 = support_stats(zz, two_off, 1.0, 0, 0.95)
+    p_on = LogitCheckParams(top_p=0.95, support_slack=0.01, min_token_prob=1e-4, eps_lp=100.0, support_min_tokens=2,
+                            min_token_weight=0.05)
+    assert logit_check(st2, torch.full((1, 4), -0.02), mask, p_on) == [None]     # claimed probable: drift
+    assert logit_check(st2, st2.logp, mask, p_on) == ["support"]                  # claimed as improbable as ours
+
+
 # ---------------- judges ----------------
 @pytest.mark.parametrize("task, text, verdict", [
     ("3+4:", "3+4=7=>7\n", "safe"),
