@@ -76,15 +76,16 @@ class DefenseConfig(BaseModel):
     tokens are outside the sampler's support (peers drift apart with training: one borderline
     token is common in honest samples, several are not; a marker or an inserted step has several)."""
 
-    min_token_weight: float = Field(0.0, ge=0, lt=1)
-    """Same-model senders, drift: with a value > 0, a token below ``min_token_prob`` or off the
-    support counts only when its F-TIS weight exp(ours - claimed) is at least this, i.e. when the
-    sender itself claims it improbable too. A token the sender's own sampler found probable but
-    ours does not is drift between peers that trained apart (and F-TIS gives it at most this
-    weight, so it teaches nothing). Measured (homogeneous, 100 rounds at the benchmark's lr):
-    honest low tokens sit 4-11 nats below their claims, an attacker's 0-1 nats; the check's honest
-    false rejects rose from 1% to 18-24% by rounds 80-100. 0 (off) until the full attack benchmark
-    is re-run with it on; 0.05 is the value to try."""
+    min_token_weight: float = Field(0.05, ge=0, lt=1)
+    """Same-model senders, drift: a token below ``min_token_prob`` or off the support counts only
+    when its F-TIS weight exp(ours - claimed) is at least this, i.e. when the sender itself claims
+    it improbable too. A token the sender's own sampler found probable but ours does not is drift
+    between peers that trained apart (F-TIS gives it at most this weight: it teaches nothing); a
+    poisoner claiming its model's log-probs, or a liar claiming low ones, still counts. Measured
+    (homogeneous, 100 rounds at the benchmark's lr, seed 0): honest low tokens sit 4-11 nats below
+    their claims, an attacker's 0-1; honest false rejects 7.5-10.6% with 0 (rising to 18-24% in
+    rounds 80-100), 0.1-0.65% with 0.05, every attack still rejected and banned. 0 turns it off
+    (the check as HTTT states it: every low token counts)."""
 
     min_token_prob_foreign: float = Field(1e-6, ge=0, lt=1)
     """Other-model senders: loose per-token floor before the judge (a per-token floor's false
