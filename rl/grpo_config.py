@@ -84,8 +84,10 @@ class DefenseConfig(BaseModel):
     poisoner claiming its model's log-probs, or a liar claiming low ones, still counts. Measured
     (homogeneous, 100 rounds at the benchmark's lr, seed 0): honest low tokens sit 4-11 nats below
     their claims, an attacker's 0-1; honest false rejects 7.5-10.6% with 0 (rising to 18-24% in
-    rounds 80-100), 0.1-0.65% with 0.05, every attack still rejected and banned. 0 turns it off
-    (the check as HTTT states it: every low token counts)."""
+    rounds 80-100), 0.1-0.65% with 0.05, every attack still rejected and banned. The price: a
+    sender that claims its poison tokens probable passes, with those tokens at F-TIS weight below
+    this bound (at most this share of an accepted token's push); lower it to trade false rejects
+    for that ceiling. 0 turns it off (the check as HTTT states it: every low token counts)."""
 
     min_token_prob_foreign: float = Field(1e-6, ge=0, lt=1)
     """Other-model senders: loose per-token floor before the judge (a per-token floor's false
