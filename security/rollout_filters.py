@@ -17,6 +17,10 @@ check              reject the completion when a token ...                       
                    importance weights; claiming higher only shrinks its own weights)
 =================  =====================================================================  ==========
 
+Drift (``min_token_weight`` > 0): same-model peers train apart, so a token counts for ``min_prob``
+and ``support`` only when its F-TIS weight exp(ours - claimed) is at least the bound (the sender
+claims it improbable too); a token the sender's sampler found probable teaches nothing anyway.
+
 Generic over tensors (logits, token ids, log-probs, masks): no model, task or transport here
 (``security`` never imports the method packages; the GRPO glue is ``rl/defense.py``).
 """
