@@ -13,7 +13,8 @@ the outer step, rounds ok / solo, and validation loss against wall-clock (evalua
 round). Nothing here is modelled except the ``model`` block: the discrete-event scheduler of
 ``benchmarks/noloco_swarm_sim.py`` fed with the measured per-worker inner-phase durations, the
 measured fixed cost of a round (p25 of blocked seconds: DHT reads and writes, handshake,
-transfer) and the waiting policy's bounds; its predicted blocked fraction is
+transfer; at least the median transfer), the waiting policy's bounds and the steps a worker
+computes while it waits (``overlap_fraction``); its predicted blocked fraction is
 compared with the measured one at W = 4 and 8 (the simulator remains the tool for 16+ workers).
 
 Summary (exact names the issue lists):
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -189,9 +191,14 @@ def modelled_blocked_fraction(run: dict, cfg: NoLoCoConfig) -> float:
     if run["method"] == "diloco":
         sched = schedule_diloco(dur, statistics.median(min(r) for r in rounds))
     else:
-        fixed = statistics.quantiles([x for r in rounds for x in r], n=4)[0]  # p25 over rounds and workers
-        waits = [wait_bound(statistics.fmean(d) / cfg.inner_steps, cfg) for d in dur]
-        sched = schedule_noloco(dur, lambda a, b: fixed, waits, max_round_skew=10 ** 6)  # catch_up: any label
+        # p25 over rounds and workers; with overlap the blocked time hides it: the transfer then
+        fixed = max(statistics.quantiles([x for r in rounds for x in r], n=4)[0],
+                    statistics.median(p["exchange_s_median"] or 0.0 for p in per))
+        steps = [statistics.fmean(d) / cfg.inner_steps for d in dur]
+        ahead = [math.ceil(cfg.overlap_fraction * cfg.inner_steps) * s for s in steps]
+        waits = [min(cfg.round_timeout, max(wait_bound(s, cfg), a)) for s, a in zip(steps, ahead)]
+        sched = schedule_noloco(dur, lambda a, b: fixed, waits, max_round_skew=10 ** 6,  # catch_up: any label
+                                overlap_s=ahead)
     recs = [r for r in sched.records if r.round > 1]
     ends = {w: max(r.finish for r in sched.of(w)) for w in range(len(dur))}
     starts = {w: min(r.finish for r in sched.of(w)) for w in range(len(dur))}
@@ -213,7 +220,9 @@ def run(quick: bool, seed: int, out: str | None) -> dict[str, Any]:
                 r = runs[(method, W)]
                 print(f"  blocked fraction {r['blocked_fraction']:.3f}, eval loss {r['eval_loss_end_mean']:.4f}, "
                       f"{r['rounds_ok']} ok / {r['rounds_solo']} solo, {r['wall_s_run']} s", file=sys.stderr)
-    policy = NoLoCoConfig(inner_steps=cfg["H"], round_timeout=10.0)
+    knobs = dict(kv.split("=", 1) for kv in COMMON if kv.startswith("noloco.") and "=" in kv)
+    knobs = {k[len("noloco."):]: v for k, v in knobs.items() if k[len("noloco."):] in NoLoCoConfig.model_fields}
+    policy = NoLoCoConfig.model_validate({**knobs, "inner_steps": cfg["H"], "round_timeout": 10.0})
     per_w: dict[str, Any] = {}
     for W in cfg["W"]:
         nl, dl = runs[("noloco", W)], runs[("diloco", W)]
@@ -249,7 +258,7 @@ def run(quick: bool, seed: int, out: str | None) -> dict[str, Any]:
                               for k, (op, t) in TARGETS.items()}
     result = {"benchmark": "noloco_swarm", "measured": True, "quick": quick, "seed": seed,
               "config": {**cfg, "common_set": COMMON, "wait_fraction": policy.wait_fraction,
-                         "min_wait_s": policy.min_wait_s,
+                         "overlap_fraction": policy.overlap_fraction, "min_wait_s": policy.min_wait_s,
                          "links": "one-way latency U(20,150) ms, U(50,500) Mbit/s per pair (node/netem.py)"},
               "summary": summary, "per_W": per_w,
               "runs": {f"{m}_w{W}": r for (m, W), r in runs.items()}}
@@ -263,7 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="short runs (< 5 min on 2 cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more node setting for every worker, e.g. noloco.overlap_fraction=0 (repeatable)")
     args = ap.parse_args(argv)
+    COMMON.extend(args.set)
     res = run(args.quick, args.seed, args.out)
     print(json.dumps(res["summary"], indent=1))
     return 0

@@ -92,7 +92,7 @@ class RoundRecord:
     round: int            # 1-based: round r ends after r*H inner steps
     arrival: float        # finished the round's H inner steps
     finish: float         # outer step done, next round's compute starts
-    blocked: float        # finish - arrival
+    blocked: float        # finish - arrival (less what was computed meanwhile, with overlap)
     group: list[int]      # workers averaged together (incl. this one); [worker] when solo
     outcome: str          # "pair" | "solo" | "allreduce" | "local"
     partner_round: int | None = None
@@ -191,7 +191,7 @@ def pick_partner(waiting: dict[int, tuple[int, float]], r: int, max_round_skew: 
 
 def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int], float],
                     round_timeout: float | Sequence[float], max_round_skew: int = 2, seed: int = 0,
-                    match_overhead_s: float = 0.0) -> Schedule:
+                    match_overhead_s: float = 0.0, overlap_s: Sequence[float] | None = None) -> Schedule:
     """Barrier-free pairing in virtual time (see the module docstring).
 
     Events are processed in (time, kind, worker) order: arrivals (kind 0) before timeouts
@@ -199,8 +199,12 @@ def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int],
     On arrival a worker pairs with a waiting worker within `max_round_skew` rounds, preferring
     the same round, uniformly at random among candidates (seeded `random.Random`).
     `round_timeout`: one wait for everyone, or one per worker (the role's waiting policy
-    bounds each worker's wait by its own pace: benchmarks/noloco_swarm.py)."""
+    bounds each worker's wait by its own pace: benchmarks/noloco_swarm.py). ``overlap_s``: per
+    worker, the seconds of the next round's compute it may run while it waits and exchanges
+    (the role's ``overlap_fraction``): that part of the wait is not blocked and the next round's
+    compute is shorter by it."""
     W = len(dur)
+    overlap = [0.0] * W if overlap_s is None else [float(x) for x in overlap_s]
     waits = [float(round_timeout)] * W if isinstance(round_timeout, (int, float)) else [float(x) for x in round_timeout]
     rng = random.Random(f"pairing:{seed}:{W}")
     sched = Schedule("noloco")
@@ -211,9 +215,10 @@ def schedule_noloco(dur: Sequence[Sequence[float]], pair_s: Callable[[int, int],
 
     def finish_round(w: int, r: int, arrival: float, end: float, group: list[int],
                      outcome: str, pr: int | None) -> None:
-        sched.records.append(RoundRecord(w, r, arrival, end, end - arrival, group, outcome, pr))
+        ahead = min(end - arrival, overlap[w])     # computed while waiting (next round's steps)
+        sched.records.append(RoundRecord(w, r, arrival, end, end - arrival - ahead, group, outcome, pr))
         if r < len(dur[w]):                         # rounds per worker (equal in benchmarks)
-            heapq.heappush(heap, (end + dur[w][r], 0, w, r + 1))
+            heapq.heappush(heap, (end + max(0.0, dur[w][r] - ahead), 0, w, r + 1))
 
     while heap:
         t, kind, w, r = heapq.heappop(heap)

@@ -10,8 +10,10 @@ the shared training metrics (``node/metrics.py``).
 
 Loop per round r: H inner Adam steps on the compute thread (the event loop stays free to serve
 peers; every whole-model pass runs there) -> exchange theta with a random live partner (NoLoCo)
-or everyone (DiLoCo) within ``round_timeout`` -> outer step (solo when no valid partner: never a hang) -> theta <- phi ->
-card/metrics -> evaluation and an atomic checkpoint when due. A joiner downloads phi and the
+or everyone (DiLoCo) within ``round_timeout`` -> outer step (solo when no valid partner: never a
+hang) -> theta <- phi -> card/metrics -> evaluation and an atomic checkpoint when due. NoLoCo
+trains on while its exchange is in flight (``overlap_fraction``: the next round's first steps;
+theta <- phi + the progress since the tensors were sent), so waiting for a partner costs little. A joiner downloads phi and the
 round from a random READY peer and starts at that round with fresh Adam state and m = 0.
 
 Devices (``node/device.py``, the ``[device]`` section): ``start()`` resolves the device on the
@@ -64,6 +66,11 @@ log = logging.getLogger("swarmnode.noloco")
 
 JOIN_WAIT_S = 60.0
 """A starting worker waits at most this long for its DHT join before looking for a state donor."""
+MAX_PAIR_TRIES = 4
+"""Tries at pairing in one round (a try ends early when the peers move to a later round label:
+the worker waits on there); the wait bound covers all of them together."""
+WATCH_POLL_S = 0.25
+"""Seconds between card reads while waiting for a partner (one DHT read per waiting worker)."""
 
 
 class WorkerConfig(NoLoCoConfig):
@@ -166,6 +173,7 @@ class NoLoCoRole(RoleBase):
         self.train_iter = None  # built once the data is loaded and the start step is known
         self.checkpointer = Checkpointer(ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
         self._round_start_step = 0  # inner step at the last outer step; theta == phi there
+        self._overlapped = 0  # inner steps computed while the last exchange ran (overlap_fraction)
         self._first_loss: float | None = None
         self._last_loss: float | None = None
         self._rounds_ok = 0
@@ -423,13 +431,23 @@ class NoLoCoRole(RoleBase):
             named.update({f"{slot}.phi.{n}": t for n, t in zip(self.names, self.outer.phi)})
         return list(self.pool.to_host_all({k: v.to(torch.float32) for k, v in named.items()}, copy=True).values())
 
-    def _outer_step(self, mean, n: int, sent: list[torch.Tensor]) -> tuple[float, float | None]:
+    def _outer_step(self, mean, n: int, sent: list[torch.Tensor],
+                    stepped_since: bool = False) -> tuple[float, float | None]:
         """Outer step on the compute thread: (update norm, replica spread or None when solo).
-        ``sent``: what ``_outgoing`` returned (host theta when the outer state lives on the host)."""
+        ``sent``: what ``_outgoing`` returned (fp32 copies of theta, first; host theta when the
+        outer state lives on the host). ``stepped_since``: inner steps ran after ``sent`` was
+        taken (``overlap_fraction``): the outer step takes theta from ``sent`` and the params
+        become phi_new + (params - theta_sent)."""
         theta_bar = phi_bar = spread = None
         od = self.outer_device
         with torch.no_grad():
-            theta = [p.detach() for p in self.params] if od == self.device else sent[:len(self.params)]
+            if stepped_since:
+                theta = [to_device(t, od) for t in sent[:len(self.params)]]
+                progress = [p.detach().to(torch.float32) - to_device(t, p.device)
+                            for p, t in zip(self.params, sent[:len(self.params)])]
+            else:
+                theta = [p.detach() for p in self.params] if od == self.device else sent[:len(self.params)]
+                progress = None
             if mean is not None and n > 1:  # the exchange hands out only verified, finite means
                 theta_bar, phi_bar = self.outer.split_means([to_device(t, od) for t in mean])
                 spread = float(torch.sqrt(sum(((t.to(torch.float32) - tb) ** 2).sum() for t, tb in
@@ -439,11 +457,15 @@ class NoLoCoRole(RoleBase):
             before = [p.clone() for p in self.outer.phi]
             phi = self.outer.outer_step(theta, theta_bar, phi_bar, n=n)
             copy_into(self.params, phi)  # theta <- phi (host -> device when the outer state is on the host)
+            if progress is not None:
+                for p, d in zip(self.params, progress):
+                    p.add_(d.to(p.dtype))
             return float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(phi, before)))), spread
 
     async def _one_round(self) -> None:
         t_round = time.monotonic()
-        h = self.cfg.inner_steps
+        # steps computed while the last exchange ran belong to this round's inner phase
+        h, self._overlapped = max(1, self.cfg.inner_steps - self._overlapped), 0
         if self.cfg.exit_after_steps:
             h = max(1, min(h, self.cfg.exit_after_steps - self.step))
         step0 = self.step
@@ -458,34 +480,58 @@ class NoLoCoRole(RoleBase):
         if self._stopping:
             return
         rnd = self._catch_up_round(views) if self._catch_up else self.round
-        extra = self._steps_until_partner(views, rnd)
-        if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
-            log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd, extra,
-                     extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
-            M.EXTRA_STEPS.inc(extra)
-            # partners plan on this card: say at once that we exchange later, not at the stale time
-            self.ctx.card.update(**{NEXT_EXCHANGE_AT: round(time.time() + extra * (self._step_s or 0.0), 3)},
-                                 publish=True)
-            loss, views, t_outer = await self._steps_then_views(extra, True)
-            if self._stopping:
-                return
-            rnd = self._catch_up_round(views) if self._catch_up else self.round
-        last = bool(self.cfg.exit_after_steps) and self.step >= self.cfg.exit_after_steps
-        tensors = await self.compute.run(self._outgoing)
-        timeout, bound = self.cfg.round_timeout, None
-        if self.cfg.outer == "diloco":
-            expected = await self._live_workers()
-            res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
-        else:
-            bound = wait_bound(self._step_s, self.cfg)
-            if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=time.time() + bound):
-                res = ExchangeResult(None, 1, [], "solo", "nobody")  # no exchange at all: nobody will come
+        room = self._extra_room()
+        blocked, waited, tries = 0.0, 0.0, 0  # idle seconds; wall seconds at the exchange (the bound's)
+        while True:  # each pass: compute more if no partner is near, then one try at pairing
+            extra = self._steps_until_partner(views, rnd, room)
+            if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
+                log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd,
+                         extra, extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
+                M.EXTRA_STEPS.inc(extra)
+                room -= extra
+                # partners plan on this card: say at once that we exchange later, not at the stale time
+                self.ctx.card.update(**{NEXT_EXCHANGE_AT: round(time.time() + extra * (self._step_s or 0.0), 3)},
+                                     publish=True)
+                loss, views, t_outer = await self._steps_then_views(extra, True)
+                if self._stopping:
+                    return
+                rnd = self._catch_up_round(views) if self._catch_up else self.round
+            tensors = await self.compute.run(self._outgoing)
+            sent_at = self.step
+            timeout, bound = self.cfg.round_timeout, None
+            if self.cfg.outer == "diloco":
+                expected = await self._live_workers()
+                res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
             else:
-                res = await self._pair_within_bound(rnd, tensors, bound)
-        res.blocked_s = time.perf_counter() - t_outer
+                # waiting costs nothing while the worker can train on (overlap): wait that long too
+                bound = min(self.cfg.round_timeout, max(wait_bound(self._step_s, self.cfg),
+                                                        self._overlap_room() * (self._step_s or 0.0)))
+                left = bound - waited  # the bound covers every try of this round
+                peers = None if views is None else self._ready_peers(views)
+                if left <= 0:
+                    res = ExchangeResult(None, 1, [], "solo", "wait_bound")
+                elif peers is not None and not someone_can_meet(peers, rnd, by=time.time() + left):
+                    res = ExchangeResult(None, 1, [], "solo", "nobody")  # no exchange at all: nobody will come
+                else:
+                    t_pair = time.perf_counter()
+                    res, computing = await self._pair_within_bound(rnd, tensors, left)
+                    waited += time.perf_counter() - t_pair
+                    blocked -= computing  # trained on meanwhile: not blocked
+            blocked += time.perf_counter() - t_outer
+            tries += 1
+            if res.outcome == "solo" and res.reason == "relabel" and tries < MAX_PAIR_TRIES:
+                t_outer = time.perf_counter()  # go on waiting, at the frontier label
+                views = await self._read_views()
+                rnd = max(rnd, self._catch_up_round(views))
+                continue
+            break
+        res.blocked_s = blocked
+        last = bool(self.cfg.exit_after_steps) and self.step >= self.cfg.exit_after_steps
         outcome, reason = res.outcome, res.reason
         n = res.n if res.mean is not None and res.n > 1 else 1
-        norm, spread = await self.compute.run(self._outer_step, res.mean, n, tensors)
+        # steps computed while the exchange ran: the outer step uses the tensors sent, and the
+        # progress since is kept on top of the new phi
+        norm, spread = await self.compute.run(self._outer_step, res.mean, n, tensors, self.step > sent_at)
         # ---- checks/rollback region (S2): a non-finite or out-of-bound outer step is undone
         why = await self.compute.run(self._outer_result_problem, norm)
         if why is not None:
@@ -500,7 +546,8 @@ class NoLoCoRole(RoleBase):
             M.REPLICA_SPREAD.set(spread)
         record_memory(self.device)
         self.round = rnd + 1
-        self._round_start_step = self.step
+        self._round_start_step = sent_at  # theta == phi there (steps overlapped with the exchange came after)
+        self._overlapped = self.step - sent_at
         await self._take_snapshot()
         M.OUTER_ROUNDS.labels(outcome=outcome if n > 1 else ("solo" if outcome == "ok" else outcome)).inc()
         if n == 1:
@@ -525,11 +572,14 @@ class NoLoCoRole(RoleBase):
             M.PARTNER_REPEAT.set(repeats / (len(pairs) - 1))
         # blocked: share of this round's wall time spent waiting for the group (swarmnode status)
         blocked = res.blocked_s / max(1e-6, time.monotonic() - t_round)
-        # finishing: this was the last round; no peer waits for it at a later label (waiting policy)
+        # finishing: this was the last round; no peer waits for it at a later label (waiting policy).
+        # Published at once (a background store): peers waiting at our old label see that we
+        # paired elsewhere and stop waiting for us, and plan on our next exchange time.
         eval_due = bool(self.cfg.eval_every) and self.round % self.cfg.eval_every == 0
-        next_at = time.time() + (self._step_s or 0.0) * self.cfg.inner_steps + (self._eval_s if eval_due else 0.0)
+        next_at = time.time() + (self._step_s or 0.0) * max(1, self.cfg.inner_steps - self._overlapped) + \
+            (self._eval_s if eval_due else 0.0)
         self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), **{FINISHING: last},
-                             **{NEXT_EXCHANGE_AT: round(next_at, 3)}, publish=self._catch_up or last)
+                             **{NEXT_EXCHANGE_AT: round(next_at, 3)}, publish=True)
         set_context(round=self.round)
         log.info("round %d: n=%d %s%s loss %.4f blocked %.2f s", self.round, n, outcome,
                  f" ({reason})" if reason else "", loss, res.blocked_s,
@@ -537,7 +587,8 @@ class NoLoCoRole(RoleBase):
                         "reason": reason, "partners": list(res.partners), "train_loss": loss,
                         "blocked_s": round(res.blocked_s, 3), "step": self.step,
                         "wait_bound_s": None if bound is None else round(bound, 3),
-                        "exchange_s": round(res.exchange_s, 3),
+                        "exchange_s": round(res.exchange_s, 3), "waited_s": round(waited, 3),
+                        "overlap_steps": self._overlapped,
                         "train_s": round(self._train_s(), 3)})
         if eval_due:
             t_eval = time.monotonic()
@@ -576,36 +627,69 @@ class NoLoCoRole(RoleBase):
     def _train_s(self) -> float:
         return 0.0 if self._t_train0 is None else time.monotonic() - self._t_train0
 
-    def _steps_until_partner(self, views: list | None, rnd: int) -> int:
-        """Inner steps to add to this round instead of a solo step (``compute_while_waiting``)."""
-        if views is None or self.cfg.outer != "noloco" or not self.cfg.compute_while_waiting:
-            return 0
-        room = self.cfg.inner_steps + self.cfg.inner_steps // 2  # at most half a phase more than one
+    def _extra_room(self) -> int:
+        """Inner steps a round may add while waiting: at most half a phase more than one."""
+        room = self.cfg.inner_steps + self.cfg.inner_steps // 2
         if self.cfg.exit_after_steps:
             room = min(room, self.cfg.exit_after_steps - self.step)
+        return room
+
+    def _computes_while_waiting(self) -> bool:
+        return self.cfg.outer == "noloco" and self.cfg.compute_while_waiting
+
+    def _steps_until_partner(self, views: list | None, rnd: int, room: int) -> int:
+        """Inner steps to add to this round instead of a solo step (``compute_while_waiting``)."""
+        if views is None or not self._computes_while_waiting():
+            return 0
         idle = None if self._step_s is None else self.cfg.idle_steps * self._step_s
         return steps_to_wait(self._ready_peers(views), rnd, time.time(), wait_bound(self._step_s, self.cfg),
                              self._step_s, room, idle_s=idle)
 
-    async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor], bound: float) -> ExchangeResult:
-        """NoLoCo's exchange under the waiting policy. The transport gets ``round_timeout`` as
-        its hard cap; the *wait* (never an exchange already matched) ends when ``bound`` is spent
-        or as soon as no live peer can still meet us at ``rnd`` within it (node cards, polled)."""
+    async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor],
+                                 bound: float) -> tuple[ExchangeResult, float]:
+        """NoLoCo's exchange under the waiting policy -> (result, seconds spent computing inner
+        steps meanwhile). The transport gets ``round_timeout`` as its hard cap; the *wait* (never
+        an exchange already matched) ends when ``bound`` is spent ("wait_bound"), as soon as no
+        live peer can still meet us at ``rnd`` within it ("nobody"), or when the peers moved to
+        a later label ("relabel": the caller waits on there; node cards, polled). Meanwhile the
+        worker trains on (``overlap_fraction``): ``tensors`` are copies, the steps leave them be."""
         M.WAIT_BOUND.set(bound)
         loop = asyncio.get_running_loop()
         timer = loop.call_later(bound, lambda: asyncio.ensure_future(self.exchange.stop_waiting(rnd, "wait_bound")))
         watch = asyncio.ensure_future(self._watch_wait(rnd, time.time() + bound))
+        ex = asyncio.ensure_future(self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout))
+        computing, room = 0.0, self._overlap_room()
         try:
-            return await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout)
+            while not ex.done() and room > 0 and not self._stopping:
+                t0 = time.perf_counter()
+                await self.compute.run(self._inner_steps, 1)
+                computing += time.perf_counter() - t0
+                room -= 1
+            return await ex, computing
         finally:
             timer.cancel()
             watch.cancel()
+            if not ex.done():
+                ex.cancel()
+
+    def _overlap_room(self) -> int:
+        """Inner steps the worker may compute while its exchange is in flight."""
+        room = math.ceil(self.cfg.overlap_fraction * self.cfg.inner_steps)
+        if self.cfg.exit_after_steps:
+            room = min(room, self.cfg.exit_after_steps - self.step)
+        return max(0, room)
 
     async def _watch_wait(self, rnd: int, end_wall: float) -> None:
         while time.time() < end_wall:
-            await asyncio.sleep(0.5)  # each poll is a DHT read on every waiting worker: keep them few
+            await asyncio.sleep(WATCH_POLL_S)
             views = await self._read_views(timeout=max(0.1, min(2.0, end_wall - time.time())))
-            if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=end_wall):
+            if views is None:
+                continue
+            if self._catch_up and (self._frontier(views) or 0) > rnd:
+                # peers paired at our label and moved on: whoever arrives next goes to their label
+                await self.exchange.stop_waiting(rnd, "relabel")
+                return
+            if not someone_can_meet(self._ready_peers(views), rnd, by=end_wall):
                 await self.exchange.stop_waiting(rnd, "nobody")
                 return
 
@@ -694,16 +778,20 @@ class NoLoCoRole(RoleBase):
     def _catch_up_round(self, views: list | None) -> int:
         """The round label for this exchange: ours, or the most advanced live peer's if higher
         (see ``WorkerConfig.catch_up``). ``self.round`` moves only when the round completes."""
-        if views is None:  # no view of the swarm this round: keep our label
-            return self.round
-        # range check: a card more than max_round_jump past the peers' median is ignored, never adopted
-        target = frontier_card_int(self._ready_peers(views), "round", self.cfg.max_round_jump, own=self.round)
+        target = self._frontier(views)
         if target is None or target <= self.round:
             return self.round
         log.info("round label %d -> %d: the swarm is ahead", self.round, target,
                  extra={"event": "round_catch_up", "from_round": self.round, "round": target})
         M.ROUND_CATCH_UPS.inc()
         return target
+
+    def _frontier(self, views: list | None) -> int | None:
+        """The most advanced live peer's round label (None: no view, or no peer with a round).
+        Range check: a card more than max_round_jump past the peers' median is ignored."""
+        if views is None:
+            return None
+        return frontier_card_int(self._ready_peers(views), "round", self.cfg.max_round_jump, own=self.round)
 
     async def _live_workers(self) -> int:
         try:

@@ -368,6 +368,44 @@ def test_role_on_cpu_sends_fresh_copies_and_steps_like_the_outer_optimizer(outer
     assert all(t.device == CPU and t.dtype == torch.float32 for t in role.outer.phi + role.outer.m)
 
 
+@pytest.mark.parametrize("outer_state", ["device", "host"])
+def test_steps_taken_while_the_exchange_ran_are_kept_on_top_of_the_outer_step(outer_state):
+    """overlap_fraction: the outer step uses the theta that was sent; the inner progress made
+    while the exchange ran is added to the new phi, and phi itself never sees it."""
+    from optimizers.noloco import NoLoCoOuter
+
+    role = _bare_role(outer_state)
+    ref = NoLoCoOuter([p.detach() for p in role.params])
+    with torch.no_grad():
+        for p in role.params:
+            p.add_(0.01)
+    sent = role._outgoing()
+    theta_sent = [s.clone() for s in sent]
+    mean = [s + 0.001 for s in sent]
+    progress = [torch.full_like(p, 0.003) * (i + 1) for i, p in enumerate(role.params)]
+    with torch.no_grad():  # two inner steps' worth of change after the tensors went out
+        for p, d in zip(role.params, progress):
+            p.add_(d)
+    role._outer_step(mean, 2, sent, True)
+    want_phi = ref.outer_step(theta_sent, mean, n=2)
+    for phi, w in zip(role.outer.phi, want_phi):
+        torch.testing.assert_close(phi, w, rtol=0, atol=0)
+    for p, w, d in zip(role.params, want_phi, progress):
+        torch.testing.assert_close(p.detach(), w + d, rtol=0, atol=1e-6)
+    # a solo step reads our own theta: the one sent, not the one trained on since
+    sent = role._outgoing()
+    theta_sent = [s.clone() for s in sent]
+    with torch.no_grad():
+        for p, d in zip(role.params, progress):
+            p.add_(d)
+    role._outer_step(None, 1, sent, True)
+    want_phi = ref.outer_step(theta_sent, None, n=1)
+    for phi, w in zip(role.outer.phi, want_phi):
+        torch.testing.assert_close(phi, w, rtol=0, atol=1e-6)
+    for p, w, d in zip(role.params, want_phi, progress):
+        torch.testing.assert_close(p.detach(), w + d, rtol=0, atol=1e-6)
+
+
 def test_role_snapshot_is_a_host_copy_not_the_live_phi():
     role = _bare_role()
     snap = role._snapshot_now()

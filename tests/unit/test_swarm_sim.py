@@ -55,6 +55,18 @@ def test_noloco_pairs_two_waiting_workers():
     assert recs[0].group == recs[1].group == [0, 1]
 
 
+def test_noloco_overlap_hides_the_wait_and_shortens_the_next_round():
+    # w0 arrives at 5, w1 at 7, pair at 8; w0 may compute 2 s of its next round meanwhile
+    s = schedule_noloco([[5.0, 4.0], [7.0, 4.0]], const_pair(1.0), round_timeout=10.0, overlap_s=[2.0, 2.0])
+    r = {(x.worker, x.round): x for x in s.records}
+    assert r[(0, 1)].blocked == pytest.approx(1.0)    # 3 s at the exchange, 2 of them computing
+    assert r[(1, 1)].blocked == pytest.approx(0.0)    # its 1 s transfer is hidden too
+    assert r[(0, 2)].arrival == pytest.approx(8.0 + 4.0 - 2.0)
+    assert r[(1, 2)].arrival == pytest.approx(8.0 + 4.0 - 1.0)
+    plain = schedule_noloco([[5.0, 4.0], [7.0, 4.0]], const_pair(1.0), round_timeout=10.0)
+    assert {(x.worker, x.round): x.blocked for x in plain.records}[(0, 1)] == pytest.approx(3.0)
+
+
 def test_noloco_lone_worker_goes_solo_after_timeout():
     # partner arrives after the timeout: both go solo, each blocked exactly the timeout
     s = schedule_noloco([[5.0], [16.0]], const_pair(1.0), round_timeout=10.0)
