@@ -480,52 +480,36 @@ class NoLoCoRole(RoleBase):
         if self._stopping:
             return
         rnd = self._catch_up_round(views) if self._catch_up else self.round
-        room = self._extra_room()
-        blocked, waited, tries = 0.0, 0.0, 0  # idle seconds; wall seconds at the exchange (the bound's)
-        while True:  # each pass: compute more if no partner is near, then one try at pairing
-            extra = self._steps_until_partner(views, rnd, room)
-            if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
-                log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd,
-                         extra, extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
-                M.EXTRA_STEPS.inc(extra)
-                room -= extra
-                # partners plan on this card: say at once that we exchange later, not at the stale time
-                self.ctx.card.update(**{NEXT_EXCHANGE_AT: round(time.time() + extra * (self._step_s or 0.0), 3)},
-                                     publish=True)
-                loss, views, t_outer = await self._steps_then_views(extra, True)
-                if self._stopping:
-                    return
-                rnd = self._catch_up_round(views) if self._catch_up else self.round
-            tensors = await self.compute.run(self._outgoing)
-            sent_at = self.step
-            timeout, bound = self.cfg.round_timeout, None
-            if self.cfg.outer == "diloco":
-                expected = await self._live_workers()
-                res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
+        extra = self._steps_until_partner(views, rnd, self._extra_room())
+        if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
+            log.info("round %d: no partner within the wait bound; %d more inner steps until one is due", rnd, extra,
+                     extra={"event": "compute_while_waiting", "round": rnd, "extra_steps": extra})
+            M.EXTRA_STEPS.inc(extra)
+            # partners plan on this card: say at once that we exchange later, not at the stale time
+            self.ctx.card.update(**{NEXT_EXCHANGE_AT: round(time.time() + extra * (self._step_s or 0.0), 3)},
+                                 publish=True)
+            loss, views, t_outer = await self._steps_then_views(extra, True)
+            if self._stopping:
+                return
+            rnd = self._catch_up_round(views) if self._catch_up else self.round
+        tensors = await self.compute.run(self._outgoing)
+        sent_at = self.step
+        timeout, bound, waited, computing = self.cfg.round_timeout, None, 0.0, 0.0
+        if self.cfg.outer == "diloco":
+            expected = await self._live_workers()
+            res = await self.exchange.group_average(rnd, tensors, timeout, expected=expected)
+        else:
+            # waiting costs nothing while the worker can train on (overlap): wait that long too
+            bound = min(self.cfg.round_timeout, max(wait_bound(self._step_s, self.cfg),
+                                                    self._overlap_room() * (self._step_s or 0.0)))
+            if views is not None and not someone_can_meet(self._ready_peers(views), rnd, by=time.time() + bound):
+                res = ExchangeResult(None, 1, [], "solo", "nobody")  # no exchange at all: nobody will come
             else:
-                # waiting costs nothing while the worker can train on (overlap): wait that long too
-                bound = min(self.cfg.round_timeout, max(wait_bound(self._step_s, self.cfg),
-                                                        self._overlap_room() * (self._step_s or 0.0)))
-                left = bound - waited  # the bound covers every try of this round
-                peers = None if views is None else self._ready_peers(views)
-                if left <= 0:
-                    res = ExchangeResult(None, 1, [], "solo", "wait_bound")
-                elif peers is not None and not someone_can_meet(peers, rnd, by=time.time() + left):
-                    res = ExchangeResult(None, 1, [], "solo", "nobody")  # no exchange at all: nobody will come
-                else:
-                    t_pair = time.perf_counter()
-                    res, computing = await self._pair_within_bound(rnd, tensors, left)
-                    waited += time.perf_counter() - t_pair
-                    blocked -= computing  # trained on meanwhile: not blocked
-            blocked += time.perf_counter() - t_outer
-            tries += 1
-            if res.outcome == "solo" and res.reason == "relabel" and tries < MAX_PAIR_TRIES:
-                t_outer = time.perf_counter()  # go on waiting, at the frontier label
-                views = await self._read_views()
-                rnd = max(rnd, self._catch_up_round(views))
-                continue
-            break
-        res.blocked_s = blocked
+                t_pair = time.perf_counter()
+                res, rnd, computing = await self._pair_within_bound(rnd, tensors, bound)
+                waited = time.perf_counter() - t_pair
+        blocked = time.perf_counter() - t_outer - computing  # trained on meanwhile: not blocked
+        res.blocked_s = max(0.0, blocked)
         last = bool(self.cfg.exit_after_steps) and self.step >= self.cfg.exit_after_steps
         outcome, reason = res.outcome, res.reason
         n = res.n if res.mean is not None and res.n > 1 else 1
@@ -646,31 +630,59 @@ class NoLoCoRole(RoleBase):
                              self._step_s, room, idle_s=idle)
 
     async def _pair_within_bound(self, rnd: int, tensors: list[torch.Tensor],
-                                 bound: float) -> tuple[ExchangeResult, float]:
-        """NoLoCo's exchange under the waiting policy -> (result, seconds spent computing inner
-        steps meanwhile). The transport gets ``round_timeout`` as its hard cap; the *wait* (never
-        an exchange already matched) ends when ``bound`` is spent ("wait_bound"), as soon as no
-        live peer can still meet us at ``rnd`` within it ("nobody"), or when the peers moved to
-        a later label ("relabel": the caller waits on there; node cards, polled). Meanwhile the
-        worker trains on (``overlap_fraction``): ``tensors`` are copies, the steps leave them be."""
+                                 bound: float) -> tuple[ExchangeResult, int, float]:
+        """NoLoCo's exchange under the waiting policy -> (result, the round label it ended at,
+        seconds spent computing inner steps meanwhile). The transport gets ``round_timeout`` as
+        its hard cap; the *wait* (never an exchange already matched) ends when ``bound`` is
+        spent ("wait_bound") or as soon as no live peer can still meet us within it ("nobody";
+        node cards, polled). When the peers pair at our label and move to a later one, the
+        worker moves there with the same tensors and waits on, within the same bound (at most
+        ``MAX_PAIR_TRIES`` labels). Meanwhile it trains on (``overlap_fraction``): ``tensors``
+        are copies, the steps leave them be."""
         M.WAIT_BOUND.set(bound)
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(bound, lambda: asyncio.ensure_future(self.exchange.stop_waiting(rnd, "wait_bound")))
-        watch = asyncio.ensure_future(self._watch_wait(rnd, time.time() + bound))
-        ex = asyncio.ensure_future(self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout))
-        computing, room = 0.0, self._overlap_room()
-        try:
-            while not ex.done() and room > 0 and not self._stopping:
+        end_wall = time.time() + bound
+        computing, room, stop = 0.0, self._overlap_room(), asyncio.Event()
+
+        async def train_on() -> None:
+            nonlocal computing, room
+            while room > 0 and not stop.is_set() and not self._stopping:
                 t0 = time.perf_counter()
                 await self.compute.run(self._inner_steps, 1)
                 computing += time.perf_counter() - t0
                 room -= 1
-            return await ex, computing
+
+        trainer = asyncio.ensure_future(train_on())
+        try:
+            for tries in range(1, MAX_PAIR_TRIES + 1):
+                res, later = await self._pair_try(rnd, tensors, end_wall)
+                if later is None or tries == MAX_PAIR_TRIES or time.time() >= end_wall:
+                    break
+                log.info("round label %d -> %d while waiting: the peers moved on", rnd, later,
+                         extra={"event": "round_relabel", "from_round": rnd, "round": later})
+                rnd = later
+            stop.set()
+            await trainer  # the step in flight ends first: the outer step follows it
+            return res, rnd, computing
+        finally:
+            stop.set()
+            if not trainer.done():
+                trainer.cancel()
+
+    async def _pair_try(self, rnd: int, tensors: list[torch.Tensor],
+                        end_wall: float) -> tuple[ExchangeResult, int | None]:
+        """One wait at label ``rnd`` until ``end_wall`` -> (result, a later label to move to or None)."""
+        loop = asyncio.get_running_loop()
+        later: list[int] = []
+        timer = loop.call_later(max(0.0, end_wall - time.time()),
+                                lambda: asyncio.ensure_future(self.exchange.stop_waiting(rnd, "wait_bound")))
+        watch = asyncio.ensure_future(self._watch_wait(rnd, end_wall, later))
+        try:
+            res = await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout)
         finally:
             timer.cancel()
             watch.cancel()
-            if not ex.done():
-                ex.cancel()
+        relabel = res.outcome == "solo" and res.reason == "relabel" and later
+        return res, (later[0] if relabel else None)
 
     def _overlap_room(self) -> int:
         """Inner steps the worker may compute while its exchange is in flight."""
@@ -679,14 +691,16 @@ class NoLoCoRole(RoleBase):
             room = min(room, self.cfg.exit_after_steps - self.step)
         return max(0, room)
 
-    async def _watch_wait(self, rnd: int, end_wall: float) -> None:
+    async def _watch_wait(self, rnd: int, end_wall: float, later: list[int]) -> None:
         while time.time() < end_wall:
             await asyncio.sleep(WATCH_POLL_S)
             views = await self._read_views(timeout=max(0.1, min(2.0, end_wall - time.time())))
             if views is None:
                 continue
-            if self._catch_up and (self._frontier(views) or 0) > rnd:
+            frontier = self._frontier(views) if self._catch_up else None
+            if frontier is not None and frontier > rnd:
                 # peers paired at our label and moved on: whoever arrives next goes to their label
+                later.append(frontier)
                 await self.exchange.stop_waiting(rnd, "relabel")
                 return
             if not someone_can_meet(self._ready_peers(views), rnd, by=end_wall):
