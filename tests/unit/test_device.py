@@ -346,8 +346,9 @@ def _bare_role(outer_state: str = "device"):
     return role
 
 
-@pytest.mark.parametrize("outer_state", ["device", "host"])
-def test_role_on_cpu_sends_fresh_copies_and_steps_like_the_outer_optimizer(outer_state):
+def _role_after_inner_steps(outer_state: str):
+    """A bare role whose theta moved off phi (as H inner steps would), a reference outer
+    optimizer from the same start, and the tensors the role sends now."""
     from optimizers.noloco import NoLoCoOuter
 
     role = _bare_role(outer_state)
@@ -355,7 +356,12 @@ def test_role_on_cpu_sends_fresh_copies_and_steps_like_the_outer_optimizer(outer
     with torch.no_grad():
         for p in role.params:
             p.add_(0.01)
-    sent = role._outgoing()
+    return role, ref, role._outgoing()
+
+
+@pytest.mark.parametrize("outer_state", ["device", "host"])
+def test_role_on_cpu_sends_fresh_copies_and_steps_like_the_outer_optimizer(outer_state):
+    role, ref, sent = _role_after_inner_steps(outer_state)
     assert len(role.pool) == 0  # CPU: no staging buffers, the outer optimizer's own copies
     assert all(s.data_ptr() != p.data_ptr() and torch.equal(s, p) for s, p in zip(sent, role.params))
     mean = [s + 0.001 for s in sent]  # a partner's theta, averaged
@@ -372,14 +378,7 @@ def test_role_on_cpu_sends_fresh_copies_and_steps_like_the_outer_optimizer(outer
 def test_steps_taken_while_the_exchange_ran_are_kept_on_top_of_the_outer_step(outer_state):
     """overlap_fraction: the outer step uses the theta that was sent; the inner progress made
     while the exchange ran is added to the new phi, and phi itself never sees it."""
-    from optimizers.noloco import NoLoCoOuter
-
-    role = _bare_role(outer_state)
-    ref = NoLoCoOuter([p.detach() for p in role.params])
-    with torch.no_grad():
-        for p in role.params:
-            p.add_(0.01)
-    sent = role._outgoing()
+    role, ref, sent = _role_after_inner_steps(outer_state)
     theta_sent = [s.clone() for s in sent]
     mean = [s + 0.001 for s in sent]
     progress = [torch.full_like(p, 0.003) * (i + 1) for i, p in enumerate(role.params)]
