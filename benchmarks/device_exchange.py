@@ -34,18 +34,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.localswarm import LocalSwarm, NodeProc  # noqa: E402
-
-
-def records(node: NodeProc, event: str) -> list[dict]:
-    out = []
-    for line in node.log_text().splitlines():
-        if f'"event": "{event}"' in line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line still being written
-    return out
+from benchmarks.noloco_swarm import records  # noqa: E402  (a node's log records of one event)
+from node.localswarm import LocalSwarm  # noqa: E402
 
 
 def count_params(args: argparse.Namespace) -> int:
