@@ -173,7 +173,6 @@ class NoLoCoRole(RoleBase):
         self.train_iter = None  # built once the data is loaded and the start step is known
         self.checkpointer = Checkpointer(ctx.config.state_dir, CHECKPOINT_FORMAT, self.cfg_hash)
         self._round_start_step = 0  # inner step at the last outer step; theta == phi there
-        self._overlapped = 0  # inner steps computed while the last exchange ran (overlap_fraction)
         self._first_loss: float | None = None
         self._last_loss: float | None = None
         self._rounds_ok = 0
@@ -464,8 +463,8 @@ class NoLoCoRole(RoleBase):
 
     async def _one_round(self) -> None:
         t_round = time.monotonic()
-        # steps computed while the last exchange ran belong to this round's inner phase
-        h, self._overlapped = max(1, self.cfg.inner_steps - self._overlapped), 0
+        # steps computed while the last exchange ran (past its outer step) belong to this round
+        h = max(1, self.cfg.inner_steps - (self.step - self._round_start_step))
         if self.cfg.exit_after_steps:
             h = max(1, min(h, self.cfg.exit_after_steps - self.step))
         step0 = self.step
@@ -531,7 +530,7 @@ class NoLoCoRole(RoleBase):
         record_memory(self.device)
         self.round = rnd + 1
         self._round_start_step = sent_at  # theta == phi there (steps overlapped with the exchange came after)
-        self._overlapped = self.step - sent_at
+        overlapped = self.step - sent_at
         await self._take_snapshot()
         M.OUTER_ROUNDS.labels(outcome=outcome if n > 1 else ("solo" if outcome == "ok" else outcome)).inc()
         if n == 1:
@@ -560,7 +559,7 @@ class NoLoCoRole(RoleBase):
         # Published at once (a background store): peers waiting at our old label see that we
         # paired elsewhere and stop waiting for us, and plan on our next exchange time.
         eval_due = bool(self.cfg.eval_every) and self.round % self.cfg.eval_every == 0
-        next_at = time.time() + (self._step_s or 0.0) * max(1, self.cfg.inner_steps - self._overlapped) + \
+        next_at = time.time() + (self._step_s or 0.0) * max(1, self.cfg.inner_steps - overlapped) + \
             (self._eval_s if eval_due else 0.0)
         self.ctx.card.update(round=self.round, blocked=round(min(1.0, blocked), 3), **{FINISHING: last},
                              **{NEXT_EXCHANGE_AT: round(next_at, 3)}, publish=True)
@@ -572,7 +571,7 @@ class NoLoCoRole(RoleBase):
                         "blocked_s": round(res.blocked_s, 3), "step": self.step,
                         "wait_bound_s": None if bound is None else round(bound, 3),
                         "exchange_s": round(res.exchange_s, 3), "waited_s": round(waited, 3),
-                        "overlap_steps": self._overlapped,
+                        "overlap_steps": overlapped,
                         "train_s": round(self._train_s(), 3)})
         if eval_due:
             t_eval = time.monotonic()
@@ -613,17 +612,15 @@ class NoLoCoRole(RoleBase):
 
     def _extra_room(self) -> int:
         """Inner steps a round may add while waiting: at most half a phase more than one."""
-        room = self.cfg.inner_steps + self.cfg.inner_steps // 2
-        if self.cfg.exit_after_steps:
-            room = min(room, self.cfg.exit_after_steps - self.step)
-        return room
+        return self._within_exit(self.cfg.inner_steps + self.cfg.inner_steps // 2)
 
-    def _computes_while_waiting(self) -> bool:
-        return self.cfg.outer == "noloco" and self.cfg.compute_while_waiting
+    def _within_exit(self, steps: int) -> int:
+        """``steps``, no more than are left before ``exit_after_steps`` (when set)."""
+        return max(0, min(steps, self.cfg.exit_after_steps - self.step)) if self.cfg.exit_after_steps else steps
 
     def _steps_until_partner(self, views: list | None, rnd: int, room: int) -> int:
         """Inner steps to add to this round instead of a solo step (``compute_while_waiting``)."""
-        if views is None or not self._computes_while_waiting():
+        if views is None or self.cfg.outer != "noloco" or not self.cfg.compute_while_waiting:
             return 0
         idle = None if self._step_s is None else self.cfg.idle_steps * self._step_s
         return steps_to_wait(self._ready_peers(views), rnd, time.time(), wait_bound(self._step_s, self.cfg),
@@ -660,13 +657,10 @@ class NoLoCoRole(RoleBase):
                 log.info("round label %d -> %d while waiting: the peers moved on", rnd, later,
                          extra={"event": "round_relabel", "from_round": rnd, "round": later})
                 rnd = later
-            stop.set()
-            await trainer  # the step in flight ends first: the outer step follows it
-            return res, rnd, computing
         finally:
-            stop.set()
-            if not trainer.done():
-                trainer.cancel()
+            stop.set()  # the trainer ends after the step in flight, also when we are cancelled
+        await trainer  # the outer step follows that step
+        return res, rnd, computing
 
     async def _pair_try(self, rnd: int, tensors: list[torch.Tensor],
                         end_wall: float) -> tuple[ExchangeResult, int | None]:
@@ -686,10 +680,7 @@ class NoLoCoRole(RoleBase):
 
     def _overlap_room(self) -> int:
         """Inner steps the worker may compute while its exchange is in flight."""
-        room = math.ceil(self.cfg.overlap_fraction * self.cfg.inner_steps)
-        if self.cfg.exit_after_steps:
-            room = min(room, self.cfg.exit_after_steps - self.step)
-        return max(0, room)
+        return self._within_exit(math.ceil(self.cfg.overlap_fraction * self.cfg.inner_steps))
 
     async def _watch_wait(self, rnd: int, end_wall: float, later: list[int]) -> None:
         while time.time() < end_wall:
