@@ -24,6 +24,12 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
+class ComputeClosed(RuntimeError):
+    """Work was submitted after :meth:`Compute.close` (the role is draining). The supervisor ends a
+    task that meets it quietly: a role's main loop that is still setting up when a drain closes its
+    thread has nothing left to do, and that is not a failure."""
+
+
 class Compute:
     def __init__(self, name: str = "compute"):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute")
@@ -31,6 +37,7 @@ class Compute:
         self._stop = threading.Event()
         self._inflight: set[Future] = set()
         self._guard = threading.Lock()
+        self._closed = False
 
     # ---------------- work ----------------
     def _call(self, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
@@ -38,8 +45,15 @@ class Compute:
             return fn(*args, **kwargs)
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
-        """Queue ``fn`` on the worker thread; a concurrent.futures.Future."""
-        fut = self._pool.submit(self._call, fn, args, kwargs)
+        """Queue ``fn`` on the worker thread; a concurrent.futures.Future. :class:`ComputeClosed`
+        once :meth:`close` ran."""
+        try:
+            fut = self._pool.submit(self._call, fn, args, kwargs)
+        except RuntimeError as exc:  # the pool's "cannot schedule new futures after shutdown"
+            if not self._closed:
+                raise
+            raise ComputeClosed(f"{getattr(fn, '__name__', fn)!s} not run: the compute thread was closed "
+                                "by the role's drain") from exc
         with self._guard:
             self._inflight.add(fut)
         fut.add_done_callback(self._done)
@@ -93,4 +107,5 @@ class Compute:
     def close(self) -> None:
         """Stop and release the thread once its current job ends (does not wait)."""
         self.stop()
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -2,7 +2,8 @@
 
 A failing task is logged, counted in ``swarmnode_task_failures_total{task}`` and restarted
 with backoff up to ``max_restarts``; past that the node is unhealthy (``/healthz`` 500) and the
-daemon exits 1 so the orchestrator restarts it. Tasks that return normally are done.
+daemon exits 1 so the orchestrator restarts it. Tasks that return normally are done, and so are
+tasks that meet :class:`~node.compute.ComputeClosed` (their role drained while they ran).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from node.compute import ComputeClosed
 from node.metrics import TASK_FAILURES
 
 log = logging.getLogger("swarmnode.supervisor")
@@ -38,6 +40,9 @@ class Supervisor:
                 return
             except asyncio.CancelledError:
                 raise
+            except ComputeClosed as exc:  # the role drained under the task: it is done, not failed
+                log.info("task %s stopped: %s", name, exc, extra={"event": "task_stopped", "task": name})
+                return
             except BaseException as exc:  # noqa: BLE001 - supervised: log, count, decide
                 failures += 1
                 TASK_FAILURES.labels(task=name).inc()

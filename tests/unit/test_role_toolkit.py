@@ -12,7 +12,7 @@ import pytest
 
 from node import metrics as NM
 from node.card import CardView, NodeCard
-from node.compute import Compute
+from node.compute import Compute, ComputeClosed
 from node.state_sync import order_donors
 
 
@@ -57,6 +57,9 @@ async def test_compute_drain_waits_for_in_flight_work_with_a_timeout():
         assert await c.drain(5.0) is True and not c.busy
         assert await fut == "stopped"
         assert await c.run(lambda: "after stop") == "after stop"  # a final job is still accepted
+        c.close()
+        with pytest.raises(ComputeClosed, match="closed by the role's drain"):
+            await c.run(lambda: "after close")
     finally:
         c.close()
 

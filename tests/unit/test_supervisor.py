@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from node import supervisor as supmod
+from node.compute import Compute
 from node.metrics import REGISTRY
 from node.supervisor import Supervisor
 
@@ -72,6 +73,22 @@ async def test_no_restart_task_fatal_on_first_failure():
 
     await asyncio.wait_for(sup.spawn("t_once", once, restart=False), 10)
     assert runs == [1] and fatal == ["t_once"] and not sup.healthy
+
+
+async def test_a_task_whose_compute_thread_was_closed_by_a_drain_ends_without_failing():
+    """A role's main task still setting up when the drain closes its compute thread: the node exits
+    0, not 1 (a CI run caught `cannot schedule new futures after shutdown` as a fatal failure)."""
+    fatal = []
+    sup = Supervisor(max_restarts=5, on_fatal=lambda n, e: fatal.append(n))
+    c = Compute("t")
+    c.close()   # the drain ran first
+
+    async def setup_then_train():
+        await c.run(lambda: "setup")
+
+    before = failures("t_closed")
+    await asyncio.wait_for(sup.spawn("t_closed", setup_then_train, restart=False), 5)
+    assert fatal == [] and sup.healthy and failures("t_closed") == before
 
 
 async def test_normal_return_is_done_and_healthy():
