@@ -188,6 +188,11 @@ DASHBOARDS: dict[str, Dashboard] = {
            "time a recovery took.",
            (f"sum by (rule) (increase(swarmnode_checkfree_recoveries_total[{RATE}]) * {NODE})", "{{rule}}"),
            (p95("swarmnode_checkfree_recovery_duration_seconds"), "p95 duration (s)")),
+        ts("Stage-0 copy age", "short", "Iterations since each stage-1 node last refreshed its copy of stage 0 "
+           "(embedding, head): what a stage-0 rebuild would roll back. Above stage.checkfree.embed_copy_every, "
+           "its refreshes fail (see embed_copy_failed in its log).",
+           (f"(swarmnode_pipeline_iteration - swarmnode_checkfree_embed_copy_iteration) * {NODE} "
+            "and on(job, instance) swarmnode_checkfree_embed_copy_iteration >= 0", "{{instance}}")),
         ts("Quarantined replicas and flags", "short", "Replicas the coordinator leaves out of the schedule until they "
            "resync from their stage's majority, and stage-integrity flags per interval by check.",
            (f"max by (run) (swarmnode_pipeline_quarantined_replicas * {RUN})", "quarantined"),

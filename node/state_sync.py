@@ -57,9 +57,11 @@ class StateServicer:
 
     def __init__(self, run_id: str, cfg_hash: str, get_snapshot: Callable[[], StateSnapshot | None],
                  netem=None, max_concurrent: int = 2,
-                 history: Callable[[int], StateSnapshot | None] | None = None):
+                 history: Callable[[int], StateSnapshot | None] | None = None,
+                 copies: Callable[[int], StateSnapshot | None] | None = None):
         self.run_id, self.cfg_hash, self._get = run_id, cfg_hash, get_snapshot
         self._history = history    # iteration -> a kept older snapshot (stage integrity audits replay the last step)
+        self._copies = copies      # stage -> this node's copy of another stage's state (CheckFree+ embedding copy)
         self._netem = netem
         self._slots = asyncio.Semaphore(max_concurrent)
         self.max_concurrent = max_concurrent
@@ -69,7 +71,13 @@ class StateServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"this node serves run {self.run_id!r}, not {request.run_id[:64]!r}")
         snap = self._get()
-        if request.iteration and self._history is not None and snap is not None \
+        copy = None
+        if request.HasField("stage") and self._copies is not None and snap is not None \
+                and "stage" in snap.meta and int(snap.meta["stage"]) != request.stage:
+            copy = self._copies(request.stage)   # another stage's state kept here: served as it is
+        if copy is not None:
+            snap = copy
+        elif request.iteration and self._history is not None and snap is not None \
                 and str(snap.meta.get("iteration")) != str(request.iteration):
             snap = self._history(request.iteration) or snap    # not kept: the latest (callers check `iteration`)
         if snap is None:

@@ -162,6 +162,13 @@ class CheckFreeConfig(BaseModel):
     """Without CheckFree+, rebuild a lost edge stage by copying its neighbour (a larger loss
     jump, logged as a WARN) instead of refusing."""
 
+    embed_copy_every: int = Field(10, ge=0)
+    """Stage-1 nodes keep a copy of stage 0's weights (embedding, final norm, head), fetched from a
+    data node every this many iterations, so a swarm that loses every data node rebuilds stage 0
+    from it with a fresh optimizer (pipeline.md §3.2, P25: the copy is at most this old). 0 = no
+    copy (a lost stage 0 then needs `checkpoint_dir`). Each refresh downloads stage 0's weights
+    once: raise it when they are large and data nodes rarely fail."""
+
     wait_s: float = Field(20.0, gt=0)
     """How long a replacement waits for both neighbours to report the same completed iteration
     (and for a vacancy) before it gives up with an error."""

@@ -11,6 +11,7 @@ Owns what happens between "this node holds no weights" and "it can join the sche
    of both neighbours, an edge stage under CheckFree+ copies its swap partner; two adjacent lost
    stages are reported (`adjacent_failure` event, a metric) and rebuilt from a checkpoint when
    one exists, else from the nearest surviving stages with a loud WARN; never from missing weights;
+   a lost stage 0 (every data node) is restored from the copy stage-1 nodes keep (`embed_copy`);
 3. download the donors' state over `WeightService.Fetch` (node/state_sync.py): both neighbours
    must describe the same completed iteration t (their snapshots after step t; retried until
    they agree or `stage.checkfree.wait_s` passes, then a loud failure);
@@ -315,18 +316,20 @@ class StageRecovery:
         return [v for v in order_donors(views, role="stage", cfg_hash=self.cfg_hash_of(stage), progress_key="iteration",
                                         exclude=self.me) if v.peer_id not in self.quarantined]
 
-    async def fetch(self, stage: int, *, optimizer: bool, min_iteration: int = 0):
+    async def fetch(self, stage: int, *, optimizer: bool, min_iteration: int = 0, holder: int | None = None):
         """(meta, weights under `stage`'s own names, optimizer or None, donor peer ID) from a live
-        node of `stage`; tries each candidate (dead cards fail fast) until `wait_s` passes."""
+        node of `stage` (or, with `holder`, the copy of `stage` that live nodes of stage `holder`
+        keep); tries each candidate (dead cards fail fast) until `wait_s` passes."""
         spec_mod = await self.skeleton(stage)
         me_names = [n for n, _ in spec_mod.named_parameters()]
         deadline = time.monotonic() + self.cfg.wait_s
         errors: list[str] = []
+        served_by = stage if holder is None else holder
         while True:
-            for v in await self._donor_views(stage):
+            for v in await self._donor_views(served_by):
                 try:
                     meta, tensors = await fetch_state(
-                        v.card.grpc_addr, self.run_id, self.me, self.cfg_hash_of(stage), param_spec(spec_mod),
+                        v.card.grpc_addr, self.run_id, self.me, self.cfg_hash_of(served_by), param_spec(spec_mod),
                         optimizer=optimizer_spec(spec_mod) if optimizer else None, stage=stage,
                         timeout=FETCH_TIMEOUT_S, offload=self.offload, peer_id=v.peer_id)
                 except StateFetchError as exc:
@@ -338,7 +341,8 @@ class StageRecovery:
                 weights, opt = split_optimizer(tensors)
                 return meta, {n: weights[n] for n in me_names}, (opt if optimizer else None), v.peer_id
             if time.monotonic() > deadline:
-                raise RecoveryError(f"no live node of stage {stage} served its state within {self.cfg.wait_s:.0f} s "
+                what = f"stage {stage}" if holder is None else f"stage {holder} (its copy of stage {stage})"
+                raise RecoveryError(f"no live node of {what} served its state within {self.cfg.wait_s:.0f} s "
                                     f"({errors[-3:]}); check that stage's nodes")
             await asyncio.sleep(RETRY_S)
 
@@ -353,11 +357,13 @@ class StageRecovery:
             out = Rebuilt(stage, "replica", int(meta["iteration"]), w, opt, {stage: donor})
         elif r.rule in ("average", "nearest") and len(r.sources) == 2:
             out = await self._average(stage, r, mine, min_iteration)
-        elif r.rule in ("copy_partner", "copy_neighbour", "nearest", "embed_copy"):
+        elif r.rule == "embed_copy":
+            out = await self._embed_copy(stage, r.sources[0])
+        elif r.rule in ("copy_partner", "copy_neighbour", "nearest"):
             src = r.sources[0]
             if src == 0 or stage == 0:
-                raise RecoveryError("stage 0 (embedding and head) cannot be rebuilt by the live role yet: restart "
-                                    "the run from a checkpoint")
+                raise RecoveryError(f"stage {stage} cannot be rebuilt from stage {src} (stage 0 holds the "
+                                    "embedding and head, no transformer blocks): restart from a checkpoint")
             meta, w, _, donor = await self.fetch(src, optimizer=False, min_iteration=min_iteration)
             out = Rebuilt(stage, r.rule, int(meta["iteration"]), relabel(w, await self.names(src), mine),
                           None, {src: donor}, {src: float(meta.get("grad_norm", "nan"))}, warn=r.warn)
@@ -367,6 +373,17 @@ class StageRecovery:
         if r.warn:
             log.warning("%s", r.warn, extra={"event": "recovery_warning", "stage": stage, "rule": r.rule})
         return out
+
+    async def _embed_copy(self, stage: int, holder: int) -> Rebuilt:
+        """Stage 0 from the copy a stage-`holder` node keeps (`stage.checkfree.embed_copy_every`),
+        joining at the holder's iteration: only stage 0's weights roll back, by the copy's age
+        (`norms[-1]`, as for a checkpoint)."""
+        meta, w, _, donor = await self.fetch(stage, optimizer=False, holder=holder)
+        copied, now = int(meta["iteration"]), int(meta.get("holder_iteration", meta["iteration"]))
+        if now < copied:
+            raise RecoveryError(f"stage {holder} node {donor[:16]} serves a copy of iteration {copied} but is itself at "
+                                f"{now}: a broken peer; restart the run from a checkpoint")
+        return Rebuilt(stage, "embed_copy", now, w, None, {holder: donor}, {-1: float(now - copied)})
 
     async def _average(self, stage: int, r: Recovery, mine: list[str], min_iteration: int = 0) -> Rebuilt:
         """Both sources at the same completed iteration (P18), then the weighted average (P17)."""

@@ -75,3 +75,7 @@ WEIGHTS_RECOVERED.set(-1)
 QUARANTINED = Gauge("swarmnode_pipeline_quarantined_replicas",
                     "Stage replicas the coordinator left out of the schedule after a failed integrity audit "
                     "(pipeline.md §4; `swarmnode status` says which and why).", registry=REGISTRY)
+EMBED_COPY_ITERATION = Gauge("swarmnode_checkfree_embed_copy_iteration",
+                             "Stage 1: the iteration of the copy of stage 0 (embedding, head) this node keeps "
+                             "for a stage-0 rebuild (-1: none yet).", registry=REGISTRY)
+EMBED_COPY_ITERATION.set(-1)

@@ -183,8 +183,10 @@ class StageRole(RoleBase):
         self._snapshot: StateSnapshot | None = None
         self._kept: list[StateSnapshot] = []   # the last KEEP_SNAPSHOTS: integrity audits replay a step from them
         self._corpus = None                    # stage 0: the loaded corpus (train stream, validation batches)
+        self._embed_copy: StateSnapshot | None = None   # stage 1: stage 0's weights as of the last refresh
+        self._copy_rec: StageRecovery | None = None
         self.state_servicer = StateServicer(ctx.config.run_id, self.cfg_hash, lambda: self._snapshot, ctx.netem,
-                                            history=self._snapshot_at)
+                                            history=self._snapshot_at, copies=self._copy_of)
         self.coordinator: tuple[str, str] | None = None   # (gRPC address, peer ID)
         self.ex: StageExecutor | None = None
         self._tasks: list[asyncio.Task] = []
@@ -276,6 +278,37 @@ class StageRole(RoleBase):
                 return snap
         return None
 
+    # ------------------------------------------------------------------ stage 0's copy (on stage 1)
+    def _copy_of(self, stage: int) -> StateSnapshot | None:
+        """The copy of `stage` this node serves (stage 0's, on a stage-1 node), stamped with this
+        node's own iteration: a replacement for stage 0 joins there."""
+        c = self._embed_copy
+        if stage != 0 or c is None or self.ex is None:
+            return None
+        return StateSnapshot({**c.meta, "holder_iteration": self.ex.iteration}, c.weights, None)
+
+    async def _refresh_embed_copy(self, iteration: int) -> None:
+        """Stage 1, after its first step and every `checkfree.embed_copy_every` iterations: download
+        stage 0's weights of `iteration` (or later) from a data node and keep them (host memory) for
+        a stage-0 rebuild. A failure keeps the older copy and is logged; the next refresh tries again."""
+        t0 = time.monotonic()
+        self._copy_rec = self._copy_rec or self._stage_recovery()
+        try:
+            meta, weights, _, donor = await self._copy_rec.fetch(0, optimizer=False, min_iteration=iteration)
+        except RecoveryError as exc:
+            log.warning("stage 0's copy not refreshed at iteration %d (%s); keeping the copy of iteration %s",
+                        iteration, exc, self._embed_copy.meta["iteration"] if self._embed_copy else "none",
+                        extra={"event": "embed_copy_failed", "iteration": iteration})
+            return
+        got = int(meta["iteration"])
+        self._embed_copy = StateSnapshot({"stage": 0, "iteration": got}, weights, None)
+        self.ctx.card.update(embed_copy_iter=got)
+        M.EMBED_COPY_ITERATION.set(got)
+        log.info("kept a copy of stage 0 at iteration %d from %s", got, donor[:16],
+                 extra={"event": "embed_copy_refreshed", "iteration": got, "donor": donor,
+                        "seconds": round(time.monotonic() - t0, 3),
+                        "bytes": sum(t.numel() * t.element_size() for t in weights.values())})
+
     @torch.no_grad()
     def _attack_edit(self) -> None:
         """ATTACK HARNESS (stage.attack_weight_edit, loopback only): a fixed-direction edit outside the
@@ -292,7 +325,8 @@ class StageRole(RoleBase):
         sched = self.ex.schedules[self.ex.epoch]
         shard = sched.origins.index(sched.names.index(self.me))
         gen = batches(self._corpus.train, self.s.data.batch_size, self.s.data.seq_len, self.cfg.seed + 1,
-                      shard=shard, num_shards=len(sched.origins))
+                      shard=shard, num_shards=len(sched.origins),   # a rebuilt data node goes on, not back to 0
+                      start_step=self.ex.iteration * self.s.schedule.mb_per_origin)
         self.ex.data = lambda: next(gen)
 
     async def _find_coordinator(self) -> tuple[str, str]:
@@ -409,7 +443,7 @@ class StageRole(RoleBase):
         M.RECOVERY_SECONDS.labels(phase="apply").observe(apply_s)
         M.WEIGHTS_VERSION.set(r.iteration)
         M.WEIGHTS_RECOVERED.set(r.iteration)
-        if r.rule != "checkpoint":
+        if r.rule not in ("checkpoint", "embed_copy"):    # (no pipeline runs without stage 0)
             # the pipeline may have run on meanwhile (a quarantined node is alive until the re-plan):
             # the first message of a later iteration redoes the rule there
             self._resync_stage, self._resync_rule = stage, rule
@@ -627,6 +661,11 @@ class StageRole(RoleBase):
         done = bool(self.cfg.iterations) and self.ex.iteration >= self.cfg.iterations
         if done or (self.cfg.checkpoint_every and self.ex.iteration % self.cfg.checkpoint_every == 0):
             await self.compute.run(self._save_checkpoint)
+        every = self.cfg.checkfree.embed_copy_every
+        if self.cfg.index == 1 and every and (self.ex.iteration % every == 0 or self._embed_copy is None):
+            self._tasks = [t for t in self._tasks if not t.done()]
+            if not any(t.get_name() == "embed_copy" for t in self._tasks):   # one refresh at a time
+                self._tasks.append(asyncio.create_task(self._refresh_embed_copy(self.ex.iteration), name="embed_copy"))
         commit = self._snapshot.meta["weights_sha256"] if self._snapshot is not None else e.weights_sha256
         # the coordinator compares replicas' commits (pipeline.md §4) and audits a stage whose replicas
         # disagree; the last 4 ride along so it can compare replicas polled at different iterations

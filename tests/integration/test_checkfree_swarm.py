@@ -36,6 +36,8 @@ RETURN_BOUND = 12
 """Iterations after the recovery within which the 3-iteration mean training loss is back below
 its pre-failure value (measured: see the printed figure)."""
 DEADLINE_S = 150
+EMBED_COPY_EVERY = 10
+"""`stage.checkfree.embed_copy_every` (its default): how old stage 1's copy of stage 0 may be."""
 
 
 def events(node: NodeProc, event: str) -> list[dict]:
@@ -52,6 +54,7 @@ def settings(stages: int, plus: bool) -> list[str]:
             "stage.torch_threads=1", "stage.eval_every=0", f"stage.optim.lr={LR}", "stage.optim.warmup=0",
             f"stage.iterations={ITERATIONS}", "stage.iteration_timeout_s=60", f"stage.checkfree.lr_scale={LR_SCALE}",
             f"stage.checkfree.plus={str(plus).lower()}", f"schedule.checkfree_plus={str(plus).lower()}",
+            f"stage.checkfree.embed_copy_every={EMBED_COPY_EVERY}",
             "card.refresh_s=1", "drain.budget_s=10"]
 
 
@@ -115,11 +118,16 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
     assert rec["fresh_optimizer"] and rec["lr_base"] == pytest.approx(LR_SCALE * LR), rec
     t = rec["iteration"]
     assert KILL_AT <= t < ITERATIONS, rec
-    partner = 2 if victim == 1 else victim - 1
+    partner = 1 if victim == 0 else 2 if victim == 1 else victim - 1
     expected_donors = {str(victim - 1), str(victim + 1)} if rule == "average" else {str(partner)}
     assert set(rec["donors"]) == expected_donors, rec
     if rule == "average":
         assert all(v > 0 and math.isfinite(v) for v in rec["norms"].values()), rec
+    if rule == "embed_copy":     # P25: the copy stage 1 kept is at most embed_copy_every iterations old
+        holder = next(n for n, s in zip(nodes, layout) if s == 1)
+        kept = [e["iteration"] for e in events(holder, "embed_copy_refreshed")]
+        age = rec["norms"]["-1"]
+        assert 0 <= age <= EMBED_COPY_EVERY and t - age in kept, (rec, kept)
     steps = [e["iteration"] for e in events(repl, "stage_step")]
     assert steps == list(range(t, ITERATIONS)), steps
     assert live.get('swarmnode_stage_weights_version', -1) >= t
@@ -134,6 +142,8 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
 
     # the loss stays finite and returns below its pre-failure value within a bounded number of iterations
     loss = {e["iteration"]: e["loss"] for e in events(data, "stage_step")}
+    if data in victims:          # stage 0 itself was rebuilt: the replacement computes the loss from then on
+        loss.update({e["iteration"]: e["loss"] for e in events(repl, "stage_step")})
     assert all(v is not None and math.isfinite(v) for v in loss.values()), loss
     mean3 = lambda k: sum(loss[k + j] for j in range(3)) / 3  # noqa: E731
     before = mean3(t - 3)
@@ -154,6 +164,12 @@ def test_checkfree_rebuilds_a_killed_interior_stage(tmp_path):
 def test_checkfree_plus_rebuilds_a_killed_edge_stage_from_its_swap_partner(tmp_path):
     """Stage 1 of 0-1-2-3-4 under CheckFree+ (odd microbatches visit 2,1,4,3): a copy of stage 2."""
     run_failure(tmp_path, layout=[0, 1, 2, 3, 4], victim=1, plus=True, rule="copy_partner", standby=True)
+
+
+def test_a_lost_data_node_is_rebuilt_from_the_copy_of_stage_0_that_stage_1_keeps(tmp_path):
+    """Stage 0 (data, embedding, head) of 0-1-2-3 SIGKILLed: the replacement restores stage 1's
+    copy (at most `embed_copy_every` iterations old), with a fresh optimizer, and originates again."""
+    run_failure(tmp_path, layout=[0, 1, 2, 3], victim=0, plus=False, rule="embed_copy")
 
 
 def test_two_adjacent_lost_stages_are_reported_and_restored_from_checkpoints(tmp_path):

@@ -84,6 +84,26 @@ async def test_wrong_stage_and_weights_only_donor_are_refused():
         await server.stop(0)
 
 
+async def test_a_copy_of_another_stage_is_served_when_that_stage_is_asked_for():
+    """CheckFree+ embedding copy: a stage-1 donor keeps stage 0's weights and serves them (with their
+    own meta, not its own) to a request for stage 0; its own stage and unknown stages as before."""
+    own, copy = _tensors(1), _tensors(2)
+    own_snap = StateSnapshot({"iteration": 30, "stage": 1}, dict(zip(NAMES, own)), None)
+    copy_snap = StateSnapshot({"iteration": 20, "stage": 0, "holder_iteration": 30}, dict(zip(NAMES, copy)), None)
+    server, addr = await _serve(StateServicer("run", "cfg1", lambda: own_snap,
+                                              copies=lambda s: copy_snap if s == 0 else None))
+    try:
+        meta, got = await fetch_state(addr, "run", "me", "cfg1", _expected(copy), stage=0, timeout=30)
+        assert meta["stage"] == "0" and meta_int(meta, "iteration") == 20 and meta_int(meta, "holder_iteration") == 30
+        assert all(torch.equal(got[n], t) for n, t in zip(NAMES, copy))
+        meta, got = await fetch_state(addr, "run", "me", "cfg1", _expected(own), stage=1, timeout=30)
+        assert meta["stage"] == "1" and all(torch.equal(got[n], t) for n, t in zip(NAMES, own))
+        with pytest.raises(StateFetchError, match="stage 1, not 2"):
+            await fetch_state(addr, "run", "me", "cfg1", _expected(own), stage=2, timeout=30)
+    finally:
+        await server.stop(0)
+
+
 async def test_mismatched_cfg_run_and_shapes_are_refused():
     ts = _tensors()
     server, addr = await _serve(StateServicer("run", "cfg1", lambda: _snap(ts)))
