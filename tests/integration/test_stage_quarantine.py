@@ -26,7 +26,7 @@ from node.localswarm import LocalSwarm, NodeProc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-ITERATIONS = 150
+ITERATIONS = 100
 LAYOUT = [0, 0, 1, 1, 2, 2]
 ATTACKER = 3                  # index into LAYOUT: the second replica of the middle stage
 EDIT = 0.5                    # per-element edit, in units of the LR: in-bound for AdamW, far above replay noise
