@@ -218,6 +218,16 @@ async def _open(addr, **fields):
         return hdr, await call.code(), await call.details()
 
 
+def _random_peer_id(wanted, tries: int = 200_000) -> str:
+    """A fresh Ed25519 peer ID for which ``wanted(id)`` holds. Up to 200k keys: a worker whose own
+    ID sorts near an end needs many (200 were once not enough in CI: StopIteration)."""
+    for _ in range(tries):
+        p = peer_id_str(generate_key())
+        if wanted(p):
+            return p
+    raise AssertionError(f"no peer ID out of {tries} random keys satisfies the condition")
+
+
 async def test_bad_headers_rejected_and_counted(dhts):
     ws = await workers(dhts, 1)
     w = ws[0]
@@ -226,8 +236,8 @@ async def test_bad_headers_rejected_and_counted(dhts):
         waiting = asyncio.create_task(w.ex.pair_average(r, tensors(1), 20))
         while w.ex._state is None:
             await asyncio.sleep(0.01)
-        lower = next(p for p in (peer_id_str(generate_key()) for _ in range(200)) if p < w.peer_id)
-        higher = next(p for p in (peer_id_str(generate_key()) for _ in range(200)) if p > w.peer_id)
+        lower = _random_peer_id(lambda p: p < w.peer_id)
+        higher = _random_peer_id(lambda p: p > w.peer_id)
         good = dict(run_id=RUN, round=r, sender=lower, cfg_hash=CFG, n_tensors=len(SPECS), mode="pair",
                     spec_hash=W.spec_hash(SPECS), stage="open")
         inv, pre = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
