@@ -104,7 +104,7 @@ class NodeProc:
 
     def readyz(self) -> dict[str, Any] | None:
         try:
-            code, body = http_get(f"http://127.0.0.1:{self.ops_port}/readyz", timeout=1.0)
+            code, body = http_get(f"http://127.0.0.1:{self.ops_port}/readyz", timeout=3.0)
             return json.loads(body)
         except (OSError, ValueError):
             return None
