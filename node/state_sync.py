@@ -71,12 +71,9 @@ class StateServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"this node serves run {self.run_id!r}, not {request.run_id[:64]!r}")
         snap = self._get()
-        copy = None
         if request.HasField("stage") and self._copies is not None and snap is not None \
                 and "stage" in snap.meta and int(snap.meta["stage"]) != request.stage:
-            copy = self._copies(request.stage)   # another stage's state kept here: served as it is
-        if copy is not None:
-            snap = copy
+            snap = self._copies(request.stage) or snap   # a kept copy of that stage; none: refused below
         elif request.iteration and self._history is not None and snap is not None \
                 and str(snap.meta.get("iteration")) != str(request.iteration):
             snap = self._history(request.iteration) or snap    # not kept: the latest (callers check `iteration`)
