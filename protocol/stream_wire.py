@@ -29,7 +29,9 @@ frame, and the receiver, after the digest and bool checks, hands out a tensor ov
 frame's own memory (no allocation, no copy; a misaligned payload from another sender is
 copied). That tensor is the frame's only user, so the receiver may write to it. Measured per
 tensor on one core: receive 0.09-0.13 ms per 1 MiB instead of 0.18-0.23 ms (copy into a fresh
-buffer).
+buffer). Such a frame is parsed by a fast path that matches this exact layout (anything else takes
+the general field walk), and a head equal to the previous one in name, dtype, shape and size skips
+re-validation: the Python work per received tensor went from ~75 to ~55 us.
 
     parse(data) -> Frame;  tensor_frames(seq, name, tensor, meta, chunk_bytes) -> Iterator[bytes]
     hello_frame(...), credit_frame(n), error_frame(reason, message) -> bytes
@@ -93,6 +95,10 @@ def _malformed(msg: str) -> TensorRejected:
 
 def parse(data: bytes) -> Frame:
     """Split a serialized ``StreamFrame`` into its fields without copying ``data``."""
+    if type(data) is bytes:
+        f = _parse_single(data)
+        if f is not None:
+            return f
     f, n, pos, seen = Frame(), len(data), 0, 0
     while pos < n:
         tag, pos = read_varint(data, pos)
@@ -134,6 +140,39 @@ def parse(data: bytes) -> Frame:
             if name != "digest" and b - a > MAX_HEAD_BYTES:
                 raise _malformed(f"{name} of {b - a} bytes is above {MAX_HEAD_BYTES}")
             setattr(f, name, bytes(data[a:b]))
+    return f
+
+
+def _parse_single(data: bytes) -> Frame | None:
+    """The frame of a one-frame tensor laid out exactly as ``tensor_frames`` builds it (seq,
+    head, optional pad, data, digest, in that order, each once, nothing after), or None: any
+    other frame takes the general walk in ``parse``, which yields the same Frame for this layout.
+    About 4x cheaper than the walk, once per received tensor (measured by benchmarks/transport.py)."""
+    n = len(data)
+    if n < 2 + 2 + 2 + 18 or data[0] != 0x08:
+        return None
+    seq, pos = read_varint(data, 1)
+    if seq < 0 or data[pos] != 0x12:
+        return None
+    hlen, pos = read_varint(data, pos + 1)
+    hend = pos + hlen
+    if hlen < 0 or hlen > MAX_HEAD_BYTES or hend + 2 + 18 > n:
+        return None
+    p = hend
+    if data[p] == 0x4a:  # pad: a one-byte length, zeros
+        if data[p + 1] >= 0x80:
+            return None
+        p += 2 + data[p + 1]
+        if p + 2 + 18 > n:
+            return None
+    if data[p] != 0x22:
+        return None
+    dlen, p = read_varint(data, p + 1)
+    dend = n - 2 - DIGEST_BYTES
+    if dlen < 0 or p + dlen != dend or data[dend] != 0x2a or data[dend + 1] != DIGEST_BYTES:
+        return None
+    f = Frame()
+    f.seq, f.head, f.data, f.digest = seq, data[pos:hend], memoryview(data)[p:dend], data[dend + 2:]
     return f
 
 
@@ -268,6 +307,7 @@ class StreamAssembler:
         self.next_seq = 0
         self._p: _Pending | None = None
         self._failed: TensorRejected | None = None
+        self._last_head: tuple | None = None  # (name, dtype, shape, total) -> checked (dtype, shape)
 
     def feed(self, f: Frame) -> Received | None:
         if self._failed is not None:
@@ -330,24 +370,31 @@ class StreamAssembler:
         if len(f.data) > MAX_CHUNK_BYTES:
             raise _malformed(f"tensor {p.name!r}: chunk of {len(f.data)} bytes is above {MAX_CHUNK_BYTES}")
         _check_digest(p, xxhash.xxh3_128(f.data).digest(), f.digest)
-        t = _frame_tensor(f.data)
-        _check_bool(p, t)
+        t = _frame_tensor(f.data, p.dtype)
+        if p.dtype is torch.bool:
+            _check_bool(p, t)
+            t = t.view(torch.bool)
         self.next_seq += 1
-        return Received(p.name, t.view(p.dtype).view(p.shape), p.meta, p.seq)
+        return Received(p.name, t.view(p.shape), p.meta, p.seq)
 
     def _start(self, head_bytes: bytes) -> _Pending:
         try:
             h = stream_pb2.StreamTensorHead.FromString(head_bytes)
         except Exception as exc:  # protobuf's DecodeError
             raise _malformed(f"tensor head does not parse ({exc})") from None
-        dtype, shape = validate_header(h.name, h.dtype, h.shape, h.total_bytes, self.max_tensor_bytes,
-                                       self.cap_key)
+        name, total, key = h.name, h.total_bytes, (h.name, h.dtype, tuple(h.shape), h.total_bytes)
+        last = self._last_head
+        if last is not None and last[0] == key:  # a stream sends the same kind of tensor again and again
+            dtype, shape = last[1]
+        else:
+            dtype, shape = validate_header(name, h.dtype, key[2], total, self.max_tensor_bytes, self.cap_key)
+            self._last_head = (key, (dtype, shape))
         if h.checksum_alg != CHECKSUM_ALG:
-            raise TensorRejected("checksum", f"tensor {h.name!r} uses checksum algorithm "
+            raise TensorRejected("checksum", f"tensor {name!r} uses checksum algorithm "
                                  f"{h.checksum_alg[:40]!r}; supported: {CHECKSUM_ALG}")
         meta = check_meta(dict(h.meta))
         p = _Pending()
-        p.name, p.dtype, p.shape, p.total, p.received = h.name, dtype, shape, int(h.total_bytes), 0
+        p.name, p.dtype, p.shape, p.total, p.received = name, dtype, shape, total, 0
         p.meta, p.seq, p.buf, p.hasher = meta, self.next_seq, None, None
         self._p = p
         return p
@@ -368,17 +415,19 @@ def _check_bool(p: _Pending, payload) -> None:
 _warned = False
 
 
-def _frame_tensor(data: memoryview) -> torch.Tensor:
-    """A flat uint8 tensor over ``data`` (a view into a received frame), or over a copy of it
-    when it is not ``PAYLOAD_ALIGN``-aligned (senders pad frames so that it is)."""
+def _frame_tensor(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of ``dtype`` over ``data`` (a view into a received frame), or over a copy
+    of it when it is not ``PAYLOAD_ALIGN``-aligned (senders pad frames so that it is). A bool
+    tensor comes back as its uint8 bytes (``_check_bool`` them, then ``.view(torch.bool)``)."""
     global _warned
+    as_dtype = torch.uint8 if dtype is torch.bool else dtype
     if not _warned:  # torch warns once per process that the buffer is read-only: bytes are. We own them.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            t = torch.frombuffer(data, dtype=torch.uint8)
+            t = torch.frombuffer(data, dtype=as_dtype)
         _warned = True
     else:
-        t = torch.frombuffer(data, dtype=torch.uint8)
+        t = torch.frombuffer(data, dtype=as_dtype)
     if t.data_ptr() % PAYLOAD_ALIGN:
-        t = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+        t = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(as_dtype)
     return t

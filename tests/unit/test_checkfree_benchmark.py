@@ -46,6 +46,17 @@ def test_summary_has_the_issue_keys_with_finite_numbers(doc):
     assert "measured" in doc["measured_vs_emulated"] and "emulated" in doc["measured_vs_emulated"]
 
 
+def test_the_zero_cost_bound_is_the_no_failure_time_over_the_best_checkpointing_time(doc):
+    """The ratio a recovery that costs no time and no loss would get."""
+    s, run = doc["summary"], doc["runs"]["0"]
+    res = run["rates"]["0.1"]
+    best = min(res[f"checkpoint_{k}"]["target_reached"]["clock_s"] for k in (4, 8)
+               if res[f"checkpoint_{k}"]["target_reached"])
+    bound = run["no_failure"]["target_reached"]["clock_s"] / best
+    assert s["wallclock_ratio_bound_zero_cost_recovery"] == pytest.approx(bound, abs=1e-3)
+    assert s["wallclock_ratio_by_rate"]["0.1"]["bound_zero_cost_recovery"] == pytest.approx(bound, abs=1e-3)
+
+
 def test_every_setting_sees_the_same_failures_and_records_the_split(doc):
     res = doc["runs"]["0"]["rates"]["0.1"]
     assert res["failures_in_first_iterations"] > 0

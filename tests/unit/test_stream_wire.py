@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from protocol import stream_pb2, stream_wire
 from protocol.codec import MiB, TensorRejected
@@ -212,3 +213,76 @@ def test_varint_fast_paths_agree_with_the_loop():
         enc = encode_varint(n)
         assert read_varint(b"\xff" + enc, 1) == (n, 1 + len(enc))
         assert stream_pb2.StreamFrame.FromString(b"\x08" + enc).seq == n
+
+
+_SLOTS = ("seq", "head", "offset", "data", "digest", "credit", "hello", "error")
+
+
+def _fields(f):
+    return {k: (bytes(v) if isinstance(v, memoryview) else v) for k in _SLOTS for v in [getattr(f, k)]}
+
+
+@pytest.mark.parametrize("seq,name,meta,t", [
+    (0, "x", None, torch.ones(5)),
+    (1, "a" * 100, {"mb": "12", "path": "3", "hop": "1"}, torch.rand(3, 7).to(torch.bfloat16)),
+    (300, "s", {"k": "v" * 250}, torch.arange(9, dtype=torch.int64)),
+    (2**40, "b", {"i": "7"}, torch.tensor([True, False, True])),
+    (5, "m", {f"k{i}": "v" * 100 for i in range(20)}, torch.ones(4, 4, dtype=torch.float16)),  # head > 127 B
+])
+def test_the_single_frame_fast_path_parses_exactly_as_the_field_walk(seq, name, meta, t):
+    (frame,) = list(tensor_frames(seq, name, t, meta))
+    fast = stream_wire._parse_single(frame)
+    assert fast is not None, "a frame built by tensor_frames must take the fast path"
+    walked = parse(bytearray(frame))  # not bytes: the general walk
+    assert _fields(fast) == _fields(walked) and fast.data.obj is frame
+    asm = StreamAssembler(MiB)
+    asm.next_seq = seq  # as if seq tensors came before
+    got = asm.feed(parse(frame))
+    assert got.seq == seq and got.meta == (meta or {}) and torch.equal(got.tensor, t)
+
+
+def test_frames_off_the_fast_layout_take_the_field_walk_and_its_checks():
+    t = torch.arange(8, dtype=torch.float32)
+    (frame,) = list(tensor_frames(0, "x", t, {"i": "0"}))
+    # a trailing credit field: valid protobuf, not our layout -> the walk parses both
+    f = parse(frame + credit_frame(3))
+    assert stream_wire._parse_single(frame + credit_frame(3)) is None and f.credit == 3 and f.is_tensor
+    # truncated / one byte too many: the walk rejects what the fast path declines
+    for bad in (frame[:-1], frame + b"\x00"):
+        assert stream_wire._parse_single(bad) is None
+        with pytest.raises(TensorRejected):
+            parse(bad)
+    # a second data field after the digest must not be swallowed by the fast path
+    twice = frame + b"\x22\x01\x00"
+    assert stream_wire._parse_single(twice) is None
+    with pytest.raises(TensorRejected, match="twice"):
+        parse(twice)
+    # a data length that does not end right at the digest: declined, whatever the bytes around it
+    i = frame.index(b"\x22\x20")  # data tag and length (32 bytes)
+    short = frame[:i] + b"\x22\x08" + frame[i + 2:]
+    assert stream_wire._parse_single(short) is None
+    # chunked tensors (offset field) and empty tensors (no data) are not single frames
+    chunks = list(tensor_frames(0, "x", torch.rand(MiB // 2), None, MiB))
+    assert all(stream_wire._parse_single(c) is None for c in chunks)
+    (empty,) = list(tensor_frames(0, "e", torch.empty(0)))
+    assert stream_wire._parse_single(empty) is None and parse(empty).head is not None
+
+
+def test_a_repeated_head_is_checked_once_and_any_change_is_checked_again():
+    asm = StreamAssembler(MiB)
+    for seq in range(3):  # the same kind of tensor: the checked (dtype, shape) is reused
+        assert torch.equal(asm.feed(parse(next(tensor_frames(seq, "x", torch.ones(4), {"i": str(seq)})))).tensor,
+                           torch.ones(4))
+    pb = stream_pb2.StreamFrame.FromString(next(tensor_frames(3, "x", torch.ones(4))))
+    pb.head.total_bytes, pb.data = 8, bytes(8)  # same name, dtype and shape as the cached head: a lying size
+    pb.digest = xxhash.xxh3_128(pb.data).digest()  # whose data and digest agree with it
+    with pytest.raises(TensorRejected) as e:
+        asm.feed(parse(pb.SerializeToString()))
+    assert e.value.reason == "size"
+    asm = StreamAssembler(MiB)
+    asm.feed(parse(next(tensor_frames(0, "x", torch.ones(4)))))
+    pb = stream_pb2.StreamFrame.FromString(next(tensor_frames(1, "x", torch.ones(4))))
+    pb.head.checksum_alg = "md5"  # the cached head does not skip the checksum-algorithm check
+    with pytest.raises(TensorRejected) as e:
+        asm.feed(parse(pb.SerializeToString()))
+    assert e.value.reason == "checksum"
