@@ -266,6 +266,12 @@ def test_frames_off_the_fast_layout_take_the_field_walk_and_its_checks():
     assert all(stream_wire._parse_single(c) is None for c in chunks)
     (empty,) = list(tensor_frames(0, "e", torch.empty(0)))
     assert stream_wire._parse_single(empty) is None and parse(empty).head is not None
+    # an empty tensor sent with an explicit empty data field (another sender's encoding) still arrives
+    head = stream_wire.head_bytes("e", "float32", (0,), 0, {})
+    explicit = (b"\x08\x00\x12" + bytes((len(head),)) + head + b"\x22\x00\x2a\x10"
+                + xxhash.xxh3_128(b"").digest())
+    got = StreamAssembler(MiB).feed(parse(explicit))
+    assert got.tensor.shape == (0,) and got.tensor.dtype == torch.float32
 
 
 def test_a_repeated_head_is_checked_once_and_any_change_is_checked_again():
