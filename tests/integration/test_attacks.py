@@ -349,8 +349,9 @@ def test_flooder_is_banned_and_honest_rounds_keep_pace(swarm, tmp_path):
     """A member sends 10x ``limits.peer_rps`` to a worker's Node.Info and keeps re-opening idle
     Exchange streams for WINDOW seconds (``flooder.py``: its own process at nice 19, so its load
     generator does not take the workers' CPU on this shared 2-core machine, as it would not on a
-    network). Honest calls (the bootstrap's key) all succeed within their 2 s deadline, both
-    workers train within 20% of the pace of the WINDOW before, and the flooder is banned:
+    network). Honest calls (the bootstrap's key, 4/s, made in the WINDOW before too, so that only
+    the flood differs) all succeed within their 2 s deadline, both workers train within 20% of the
+    pace of the WINDOW before, and the flooder is banned:
     ``swarmnode_peer_bans_total``, ``swarmnode_peers_banned``, its calls refused as banned, and
     ``swarmnode status`` marks it ``banned_by``."""
     window = 20.0
@@ -364,7 +365,8 @@ def test_flooder_is_banned_and_honest_rounds_keep_pace(swarm, tmp_path):
         wait_known(flooder, w0)  # the flood must come from a member: rate limits, not "unknown peer"
         bans0 = metric(w0, "swarmnode_peer_bans_total")
         t0, r0 = time.monotonic(), rounds(swarm)
-        time.sleep(window)
+        # the honest caller runs in both windows, so the pace comparison isolates the flood
+        honest_before = flooder.run(_honest_calls(swarm, w0, window, 0.25), timeout=window + 30)
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.flooder", str(tmp_path / "flooder.key"), RUN,
              f"127.0.0.1:{w0.grpc_port}", w0.peer_id, str(PEER_RPS * 10), str(window)],
@@ -383,6 +385,7 @@ def test_flooder_is_banned_and_honest_rounds_keep_pace(swarm, tmp_path):
         assert codes.get("PERMISSION_DENIED", 0) > sent * 0.8, codes  # banned early on
         assert result["idle_codes"] and "OK" not in result["idle_codes"], result["idle_codes"]
         assert len(honest) >= window * 2 and all(c == grpc.StatusCode.OK and dt < 2.0 for c, dt in honest), honest
+        assert all(c == grpc.StatusCode.OK for c, _ in honest_before), honest_before
         pace = {w.name: ((r1[w.name] - r0[w.name]) / (t1 - t0), (r2[w.name] - r1[w.name]) / (t2 - t1))
                 for w in swarm.workers}
         print(f"flood: rounds/s before, during: {pace}; flooder {sent} calls {codes}")

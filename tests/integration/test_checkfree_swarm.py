@@ -146,9 +146,13 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
         loss.update({e["iteration"]: e["loss"] for e in events(repl, "stage_step")})
     assert all(v is not None and math.isfinite(v) for v in loss.values()), loss
     mean3 = lambda k: sum(loss[k + j] for j in range(3)) / 3  # noqa: E731
-    before = mean3(t - 3)
+    # before the failure: the last 3 losses the data node logged. A SIGKILLed data node may not have
+    # logged its last iteration or two (its log records go through a queue), so not always t-3..t-1.
+    logged = sorted(k for k in loss if k < t)[-3:]
+    assert len(logged) == 3 and logged[-1] >= KILL_AT - 1, (t, sorted(loss))
+    before = sum(loss[k] for k in logged) / 3
     back = next((k - t for k in range(t, ITERATIONS - 2) if mean3(k) < before), None)
-    jump = loss[t] - loss[t - 1]
+    jump = loss[t] - loss[logged[-1]]
     print(f"checkfree {rule}: stage {victim} lost after iteration {t}; detect {down[0]['detect_s']:.1f} s, "
           f"replacement recovered {recovered_after:.1f} s after the kill (fetch {rec['fetch_s']:.2f} s, apply "
           f"{rec['apply_s']:.2f} s); loss before {before:.3f}, jump {jump:+.3f}, back below after {back} "
