@@ -307,7 +307,8 @@ class StreamAssembler:
         self.next_seq = 0
         self._p: _Pending | None = None
         self._failed: TensorRejected | None = None
-        self._last_head: tuple | None = None  # (name, dtype, shape, total) -> checked (dtype, shape)
+        self._last_key: tuple | None = None   # (name, dtype, shape, total_bytes) of the last valid head
+        self._last_checked: tuple = ()         # validate_header's (torch dtype, shape) for it
 
     def feed(self, f: Frame) -> Received | None:
         if self._failed is not None:
@@ -328,7 +329,7 @@ class StreamAssembler:
                 raise _malformed(f"head of a new tensor while {p.name!r} is incomplete "
                                  f"({p.received}/{p.total} bytes)")
             p = self._start(f.head)
-            if f.digest is not None and f.data is not None and not f.offset and len(f.data) == p.total and p.total:
+            if f.digest is not None and f.data is not None and not f.offset and 0 < len(f.data) == p.total:
                 return self._whole(p, f)  # the common case: one frame holds the whole tensor
         elif p is None:
             raise _malformed(f"frame of tensor {seq} arrived with no head before it")
@@ -382,13 +383,12 @@ class StreamAssembler:
             h = stream_pb2.StreamTensorHead.FromString(head_bytes)
         except Exception as exc:  # protobuf's DecodeError
             raise _malformed(f"tensor head does not parse ({exc})") from None
-        name, total, key = h.name, h.total_bytes, (h.name, h.dtype, tuple(h.shape), h.total_bytes)
-        last = self._last_head
-        if last is not None and last[0] == key:  # a stream sends the same kind of tensor again and again
-            dtype, shape = last[1]
-        else:
-            dtype, shape = validate_header(name, h.dtype, key[2], total, self.max_tensor_bytes, self.cap_key)
-            self._last_head = (key, (dtype, shape))
+        key = (h.name, h.dtype, tuple(h.shape), h.total_bytes)
+        name, _, _, total = key
+        if key != self._last_key:  # a stream sends the same kind of tensor again and again: checked once
+            self._last_checked = validate_header(*key, self.max_tensor_bytes, self.cap_key)
+            self._last_key = key
+        dtype, shape = self._last_checked
         if h.checksum_alg != CHECKSUM_ALG:
             raise TensorRejected("checksum", f"tensor {name!r} uses checksum algorithm "
                                  f"{h.checksum_alg[:40]!r}; supported: {CHECKSUM_ALG}")
