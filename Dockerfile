@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# swarmnode: the node daemon image (ops.md §8). amd64 only (hivemind ships an x86_64 p2pd).
+# swarmnode: the node daemon image (docs/operations.md, 'Docker'). amd64 only (hivemind ships an x86_64 p2pd).
 #
 # The default image is CUDA-capable: torch comes from the CUDA wheel index, whose wheels bundle the
 # CUDA runtime, so the host needs only the NVIDIA driver and the NVIDIA container toolkit. The same
@@ -39,7 +39,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=/tmp/const
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential \
  && rm -rf /var/lib/apt/lists/*
-# The version window that resolves cleanly (ARCHITECTURE.md): libp2p needs protobuf<7,
+# The version window that resolves cleanly (docs/architecture.md, 'Which dependency does which job'): libp2p needs protobuf<7,
 # grpcio-tools 1.85 needs protobuf 7.
 RUN printf 'protobuf>=5.29,<7\ngrpcio-tools==1.81.*\n' > /tmp/constraints.txt \
  && pip install "grpcio-tools==1.81.*" "protobuf>=5.29,<7"

@@ -1,4 +1,4 @@
-"""What peer authentication costs (security.md §5, issue 7): signed vs plain gRPC, side by side.
+"""What peer authentication costs (docs/security.md, 'Signed calls'; issue 7): signed vs plain gRPC, side by side.
 
 Run (from the repository root)::
 
@@ -67,7 +67,10 @@ async def _serve(client_seed: bytes, server_seed: bytes, ports_q) -> None:
     import torch
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from node.grpc_server import CallGuard, GrpcHost, KnownPeers, NodeServicer
+    from node.call_guard import CallGuard
+    from node.grpc_server import GrpcHost
+    from node.known_peers import KnownPeers
+    from node.node_service import NodeServicer
     from node.state_sync import StateServicer, StateSnapshot, add_state_service
     from protocol import node_pb2, node_pb2_grpc
     from protocol.streams import TensorStreamService, add_tensor_stream_to_server

@@ -1,10 +1,10 @@
-"""CheckFree vs checkpointing vs the ablations under one failure schedule (pipeline.md §3, §7; issue 11).
+"""CheckFree vs checkpointing vs the ablations under one failure schedule (docs/pipeline.md, 'CheckFree recovery'; issue 11).
 
 One process trains the stage-split tiny LLaMA (models/stages.py: stage 0 = embedding + head, then
 T transformer stages of ``layers_per_stage`` blocks) with the pipeline's own stage code: every
 microbatch runs forward and backward stage by stage (``run_path_stagewise``: each hop its own
 autograd graph, activations and gradients handed over as tensors), each stage clips its gradient
-(the pre-clip norm is what CheckFree weighs by, pipeline.md §3.1 default ``pre``) and steps its
+(the pre-clip norm is what CheckFree weighs by, ``stage.checkfree.norm`` default ``pre``) and steps its
 own AdamW once per iteration. Data, initial weights and the failure schedule depend only on the
 seed, so every setting of a seed sees the same batches and the same failures.
 

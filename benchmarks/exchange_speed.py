@@ -1,8 +1,8 @@
 """One outer exchange of a 64 MiB fp32 model between two workers on 127.0.0.1: ours vs hivemind.
 
 (a) **ours**: `optimizers.exchange.OuterExchange.pair_average` (roster through signed records on
-    real hivemind DHTs, tensors over our own grpc.aio `NoLoCo.Exchange`, zero-copy frame
-    handlers via `add_exchange_to_server`, default `poll_interval_s` 0.25 as the role uses);
+    real hivemind DHTs, tensors over the shared tensor stream as `NoLoCo.Exchange`, registered
+    with `add_exchange_to_server`, default `poll_interval_s` 0.25 as the role uses);
     set up exactly as tests/integration/test_exchange.py does.
 (b) **hivemind**: `hivemind.averaging.DecentralizedAverager(target_group_size=2,
     min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)`, the same tensors,

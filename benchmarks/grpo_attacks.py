@@ -1,4 +1,4 @@
-"""Poisoned rollouts in collaborative GRPO: attack success with and without the defenses (grpo.md §9).
+"""Poisoned rollouts in collaborative GRPO: attack success with and without the defenses (docs/grpo.md, 'Benchmarks').
 
 For every attack mode (``inject``, ``edit``, ``inject+fake_logp``, ``verbose``, ``collude``: two
 injecting attackers), every swarm (``homogeneous``: four peers with the same initial weights, so

@@ -1,4 +1,4 @@
-"""Collaborative GRPO: F-TIS sharing vs training alone vs uncorrected sharing (grpo.md §9).
+"""Collaborative GRPO: F-TIS sharing vs training alone vs uncorrected sharing (docs/grpo.md, 'Benchmarks').
 
 Measured on real swarms: for every seed and every mode (``solo``, ``uncorrected``, ``ftis``) a
 bootstrap and three ``grpo`` peers of different sizes (the embedded decoder at three widths and

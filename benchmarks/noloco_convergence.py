@@ -1,4 +1,4 @@
-"""NoLoCo vs DiLoCo convergence, single process (noloco.md §5.1).
+"""NoLoCo vs DiLoCo convergence, single process (docs/noloco.md, 'Benchmarks').
 
 W replicas of the tiny `models/` LLaMA train side by side with the real inner optimizer
 (models/optim.py: AdamW, warm-up + cosine, clip 1.0) and the real `optimizers/` outer code; the "exchange" is an exact in-memory group mean
@@ -49,7 +49,7 @@ from optimizers.diloco import DiLoCoOuter  # noqa: E402
 from optimizers.grouping import groups_for_roster  # noqa: E402
 from optimizers.noloco import NoLoCoOuter, copy_into, replica_spread  # noqa: E402
 
-# name -> (outer kind, options, H in the full setting [code defaults of noloco.md §2.6])
+# name -> (outer kind, options, H in the full setting [the official code's defaults])
 RUNS: dict[str, tuple[str, dict[str, Any], int]] = {
     "allreduce": ("allreduce", {}, 1),
     "diloco": ("diloco", {"momentum": "heavyball", "outer_lr": 0.7, "outer_momentum": 0.3}, 100),
@@ -207,7 +207,7 @@ def run(quick: bool = True, W: Sequence[int] | None = None, steps: int | None = 
     """Run the benchmark and return the result dict (also what `--out` writes).
 
     quick=True is the CI size (W 4, 200 steps, H 20 for every run, d 64, 2 layers, seq 64,
-    batch 8, one seed). quick=False follows §5.1 (W 4 and 8, 2000 steps, d 128, 4 layers, seq 128,
+    batch 8, one seed). quick=False is the full setting (W 4 and 8, 2000 steps, d 128, 4 layers, seq 128,
     batch 16, 3 seeds, H from each run's recipe unless `H` is given). lr is the peak inner LR
     (3e-3 suits these tiny models; the 125M recipe's 6e-4 barely moves them in 200 steps)."""
     from models.config import DataConfig, ModelConfig

@@ -1,4 +1,4 @@
-"""NoLoCo vs DiLoCo on REAL worker processes (issue 8; noloco.md §5.2). Writes one JSON.
+"""NoLoCo vs DiLoCo on REAL worker processes (issue 8; docs/noloco.md, 'Benchmarks'). Writes one JSON.
 
 Per method (NoLoCo, DiLoCo heavy-ball) and worker count W (4 and 8): a bootstrap and W ``noloco``
 role processes on 127.0.0.1 (real hivemind DHTs, real gRPC exchanges, the real waiting policy),

@@ -1,6 +1,7 @@
 """NoLoCo vs DiLoCo on a simulated heterogeneous WAN swarm: real training, virtual time.
 
-One process, discrete-event simulation (noloco.md §5, complementing §5.1 and §5.2). W workers
+One process, discrete-event simulation (docs/noloco.md, 'Benchmarks'; complements noloco_convergence.py
+and noloco_swarm.py). W workers
 (4, 8, 16) each hold their own copy of the tiny `models/` LLaMA (same seed init), their own IID
 data shard (`models.corpus.batches(shard=w, num_shards=W)`), a real inner Adam (warm-up + cosine,
 clip 1.0) and the real outer optimizer (`optimizers.noloco.NoLoCoOuter` /

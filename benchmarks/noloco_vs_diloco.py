@@ -1,4 +1,4 @@
-"""NoLoCo vs DiLoCo: the issue's benchmark entry point (noloco.md §5). Writes ONE JSON.
+"""NoLoCo vs DiLoCo: the issue's benchmark entry point (docs/noloco.md, 'Benchmarks'). Writes ONE JSON.
 
 Composes
   1. benchmarks/noloco_swarm_sim.py: W = 4, 8, 16 workers with REAL training (tiny LLaMA, real
@@ -8,7 +8,7 @@ Composes
   2. benchmarks/exchange_speed.py: one MEASURED exchange of a 64 MiB fp32 model between two
      worker processes on 127.0.0.1, OuterExchange.pair_average vs hivemind
      DecentralizedAverager (group of 2), warm, median of repeats;
-  3. optionally (--convergence) benchmarks/noloco_convergence.py's run (§5.1) for NoLoCo and
+  3. optionally (--convergence) benchmarks/noloco_convergence.py's run for NoLoCo and
      DiLoCo at its own settings.
 
 The top-level "summary" holds:
@@ -29,7 +29,7 @@ Commands (2 CPU cores; run from the repository root with the venv active)::
 
     python benchmarks/noloco_vs_diloco.py --quick --out /tmp/noloco_vs_diloco.json   # < 5 min
     python benchmarks/noloco_vs_diloco.py --out /tmp/noloco_vs_diloco_full.json      # ~1 h+
-    python benchmarks/noloco_vs_diloco.py --quick --convergence --out FILE           # + §5.1
+    python benchmarks/noloco_vs_diloco.py --quick --convergence --out FILE           # + convergence
 
 The exchange benchmark's worker processes are started first and warm up (imports, DHTs,
 servers) while the simulation trains; the timed exchanges run only after training finished.

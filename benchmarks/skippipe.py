@@ -1,4 +1,4 @@
-"""SkipPipe on real processes: full pipeline vs random legal skipping vs SkipPipe (pipeline.md §7).
+"""SkipPipe on real processes: full pipeline vs random legal skipping vs SkipPipe (docs/pipeline.md, 'Benchmarks').
 
 The same swarm three times, one method each (``schedule.method``): a bootstrap (the schedule
 coordinator) and 9 ``stage`` nodes as OS processes on 127.0.0.1: 3 data nodes (stage 0) and 3

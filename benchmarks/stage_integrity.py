@@ -1,4 +1,4 @@
-"""A malicious pipeline stage is caught: backdoor attack vs the three checks (pipeline.md §4, issue 12).
+"""A malicious pipeline stage is caught: backdoor attack vs the three checks (docs/pipeline.md, 'Stage-integrity checks'; issue 12).
 
 EMULATED IN ONE PROCESS (not a swarm of processes): a data node (stage 0: embedding, head, loss)
 and 3 transformer stages x 2 replicas of a tiny byte-level LLaMA (d 64, 1 block per stage), real

@@ -7,8 +7,8 @@ Run (from the repository root)::
 
 Measures, for 1, 16 and 256 MiB float32 tensors on 127.0.0.1:
 
-(a) ``WeightService.Fetch`` server streaming with ``protocol.codec`` (xxh3_128 checksum on,
-    receiver verifying, 4 MiB chunks) and ``protocol.grpc_options`` on both ends; the server
+(a) ``WeightService.Fetch`` server streaming as state downloads do it: ``protocol.stream_wire``
+    frames (xxh3_128 digest trailer, receiver verifying, 4 MiB chunks) and ``protocol.grpc_options`` on both ends; the server
     runs in its own process (multiprocessing spawn), the client in this one;
 (b) a plain TCP socket pair (also two processes) moving the same bytes: ``sendall`` of the
     tensor's memory, ``recv_into`` a buffer preallocated per transfer (as the codec
@@ -79,20 +79,19 @@ def _grpc_server_main(port_q, stop_ev, sizes, chunk_bytes, malloc):
 async def _grpc_server(port_q, stop_ev, sizes, chunk_bytes):
     import grpc
     from protocol import weights_pb2
-    from protocol.codec import aencode_tensors, serialize_frame
     from protocol.grpc_options import server_options
+    from protocol.stream_wire import tensor_frames
 
     tensors = {f"t{s}": _tensor(s) for s in sizes}
 
     async def fetch(request, context):  # want = tensor name (benchmark convention)
-        async for frame in aencode_tensors({request.want: tensors[request.want]}, chunk_bytes, wire=True):
+        for frame in tensor_frames(0, request.want, tensors[request.want], chunk_bytes=chunk_bytes):
             yield frame
 
-    # WeightService.Fetch registered with the codec's wire serializer (pre-serialized frames)
+    # WeightService.Fetch as node/state_sync registers it (frames pass as bytes)
     handler = grpc.method_handlers_generic_handler("swarmnode.WeightService", {
         "Fetch": grpc.unary_stream_rpc_method_handler(
-            fetch, request_deserializer=weights_pb2.FetchRequest.FromString,
-            response_serializer=serialize_frame)})
+            fetch, request_deserializer=weights_pb2.FetchRequest.FromString)})
     server = grpc.aio.server(options=server_options())
     server.add_generic_rpc_handlers((handler, _raw_handler(grpc)))
     _add_stream_service(server)
@@ -195,22 +194,23 @@ async def _measure(grpc_port, sock_port, sizes, repeats, stream_repeats, echo_n)
     import numpy as np
     import torch
     from protocol import weights_pb2
-    from protocol.codec import adecode_tensors, parse_frame
     from protocol.grpc_options import channel_options
+    from protocol.stream_wire import StreamAssembler, parse
 
     out = {s: {"grpc": [], "socket": []} for s in sizes}
     sock = socket.create_connection(("127.0.0.1", sock_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=channel_options()) as ch:
         fetch = ch.unary_stream("/swarmnode.WeightService/Fetch",
-                                request_serializer=weights_pb2.FetchRequest.SerializeToString,
-                                response_deserializer=parse_frame)  # zero-copy chunk views
+                                request_serializer=weights_pb2.FetchRequest.SerializeToString)
         for s in sizes:
             expect = _tensor(s)
             for i in range(repeats + 1):  # run 0 warms connections and allocators, and checks bytes
                 t0 = time.perf_counter()
                 call = fetch(weights_pb2.FetchRequest(run_id="bench", want=f"t{s}"), timeout=120)
-                got = [t async for _, t in adecode_tensors(call, max_tensor_bytes=s * MiB)]
+                asm = StreamAssembler(s * MiB, "limits.max_state_bytes")
+                got = [r.tensor async for data in call if (r := asm.feed(parse(data))) is not None]
+                asm.finish()
                 t1 = time.perf_counter()
                 buf = _socket_fetch(sock, s, np)
                 t2 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Pipeline stages cut from the LLaMA-style model, run stage by stage along a SkipPipe path.
 
-Owns how the model is split for the `stage` role (pipeline.md §2.1, §2.5): stage 0 holds the
+Owns how the model is split for the `stage` role (docs/pipeline.md, 'Terms'): stage 0 holds the
 embedding, `stage0_layers` leading blocks, the final norm, the head and the loss; stages 1..T
 hold the remaining blocks in equal contiguous ranges. It also owns `run_order` (the whole
 model with its blocks taken in a given order: the single-process reference) and

@@ -89,5 +89,5 @@ async def ordered_mean(parts: Sequence[tuple[str, Sequence[torch.Tensor]]], me: 
         if mine is not None and not all(map(all_finite, mine)):
             raise LocalNonFinite("our own tensors hold NaN/inf: the role must not send them")
         raise TensorRejected("nonfinite", "a peer's tensors contain NaN or inf (the mean is not finite); "
-                                          "dropped (security.md §7)")
+                                          "dropped")
     return mean

@@ -209,7 +209,7 @@ def frontier_card_int(views: Iterable[CardView], key: str, max_jump: int, own: i
     round, not a joiner's 0). A stranger claiming an absurd round is outside that window and
     ignored; an honest frontier a few rounds ahead of the median is kept. None when no card has
     an acceptable value. Residual risk: sybils holding a majority of the READY cards move the
-    median (admission is the defence there, security.md §3)."""
+    median (admission is the defence there: docs/security.md, 'Admission tokens')."""
     theirs = [n for n in (card_int(v, key) for v in views) if n is not None]
     values = sorted(theirs + ([own] if own is not None else []))
     if not theirs:

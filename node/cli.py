@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--coordinator", metavar="PEER_ID",
                     help="token mode: list only nodes admitted by this coordinator (default: the config's "
                          "security.coordinator_peer_id when security.admission = 'token')")
-    st.add_argument("--json", action="store_true", help="print one JSON array")
+    st.add_argument("--json", action="store_true",
+                    help="print one JSON array with every card detail raw (Unix times, flags); the table is for reading")
     st.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
     st.add_argument("--local", action="store_true", help="ask this host's ops port instead of the DHT")
     st.add_argument("--ready", action="store_true", help="with --local: exit 0 only when the node is READY")
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a whole local swarm on 127.0.0.1")
     demo.add_argument("--role", default=None, help="worker role (default: noloco when installed, else bootstrap)")
     demo.add_argument("--nodes", type=int, default=None, help="number of worker nodes besides the bootstrap")
-    demo.add_argument("--steps", type=int, default=None, help="inner steps per worker (training roles)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="steps per worker (training roles; a NoLoCo inner step, a pipeline iteration, a GRPO round)")
     demo.add_argument("--duration", type=float, default=None, help="stop after S seconds")
     demo.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config for every node")

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from node.device import DeviceConfig
+from node.errors import ConfigError
 from node.eventbus.config import EventBusConfig
 from node.logs import LogConfig
 from node.netem import NetemConfig
@@ -46,12 +47,6 @@ SECTION_GROUP = "swarmnode.sections"
 
 _MADDR = re.compile(
     r"^/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp/\d{1,5}|udp/\d{1,5}/quic(-v1)?)(/p2p/[1-9A-HJ-NP-Za-km-z]{40,60})$")
-
-
-class ConfigError(Exception):
-    """A config or usage mistake; the message names the field and the fix. Exit code 2."""
-
-    exit_code = 2
 
 
 def installed_roles() -> list[str]:

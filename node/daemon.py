@@ -1,6 +1,6 @@
 """One node's life from start to exit: start order, readiness, drain.
 
-Start order (ops.md §3): identity -> hivemind DHT (forks p2pd and its process before any gRPC
+Start order (docs/architecture.md, 'Node lifecycle'): identity -> hivemind DHT (forks p2pd and its process before any gRPC
 object exists) -> gRPC server -> ops HTTP -> joining loop, node card, role. SIGTERM, SIGINT
 or a spot-preemption notice start the same drain, once: readiness off and gRPC health
 NOT_SERVING, DRAINING card, role drain, gRPC stop with grace, OFFLINE card, DHT shutdown,
@@ -23,12 +23,15 @@ from node.card import CARD_NAMESPACE, CardPublisher
 from node.config import ConfigError, NodeConfig, redacted
 from node.eventbus.service import NodeEventBus
 from node.card import read_cards
-from node.grpc_server import CallGuard, GrpcHost, KnownPeers, NodeServicer
+from node.call_guard import CallGuard
+from node.grpc_server import GrpcHost
 from node.identity import ensure_identity
+from node.known_peers import KnownPeers
 from node.lifecycle import Lifecycle, State
 from node.logs import set_context
 from node.membership import Membership
 from node.netem import LinkEmulator
+from node.node_service import NodeServicer
 from node.ops_http import OpsServer
 from node.preemption import PreemptionWatcher
 from node.roles import NodeContext, load_role
@@ -99,7 +102,7 @@ class Node:
                 "require_admission": True}
 
     def _call_guard(self) -> tuple[CallGuard, KnownPeers]:
-        """Authentication and limits for every gRPC service (node/grpc_server.py), and the signer
+        """Authentication and limits for every gRPC service (node/call_guard.py), and the signer
         every outgoing channel of this process uses (protocol/streams.py, node/state_sync.py)."""
         cfg, sec = self.cfg, self.cfg.security
         known = KnownPeers(lambda: read_cards(self.membership.dht, cfg.run_id, timeout=5.0),

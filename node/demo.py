@@ -30,7 +30,12 @@ second). Its attributes:
   after the step (default loss and rounds; a figure the role lacks is left out),
   ``RATIOS: dict[str, tuple[str, str]]``: key -> (numerator, denominator) row keys; each row
   gets the ratio, the summary the ratio of the sums over workers (e.g. seconds blocked /
-  seconds training), and ``summary_text(summary) -> str``: the closing line.
+  seconds training), and ``summary_text(summary) -> str``: the closing line;
+- optional ``FIGURES: tuple[str, ...]``: which of the role-neutral summary keys
+  (``DEFAULT_FIGURES``: train loss, eval loss, outer rounds) the role has; the others are left
+  out of the summary and ``--json`` instead of reported as 0 or null (default: all of them);
+- optional ``COUNT_KEYS: tuple[str, ...]``: row keys that are counts (e.g. peers seen), shown
+  as integers on the progress lines like ``steps`` and ``rounds`` (others: 3 decimals).
 
 Progress lines show a worker's state, not figures, until its first step. When every node has
 exited the demo stops at once; if one failed, it prints that node's first error line and exits
@@ -153,31 +158,45 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 DEFAULT_COLUMNS = {"loss": "loss", "rounds": "rounds"}
 
+DEFAULT_COUNT_KEYS = ("steps", "rounds")
+"""Row keys that are counts on every role: progress lines print them as integers."""
 
-def print_progress(rows: list[dict[str, Any]], t: float, columns: dict[str, str] = DEFAULT_COLUMNS) -> None:
+DEFAULT_FIGURES = ("loss_start", "loss_end", "eval_loss_start", "eval_loss_end", "rounds", "rounds_ok")
+"""The role-neutral summary keys; a demo module's ``FIGURES`` names the ones its role has."""
+
+
+def print_progress(rows: list[dict[str, Any]], t: float, columns: dict[str, str] = DEFAULT_COLUMNS,
+                   counts: tuple[str, ...] = ()) -> None:
+    """One line for every node: its state before its first step, then its step and ``columns``
+    (label -> row key); ``counts`` and ``DEFAULT_COUNT_KEYS`` print as integers (``peers 2``)."""
+    ints = {*DEFAULT_COUNT_KEYS, *counts}
     parts = []
     for r in rows:
         if not r["steps"]:  # before the first step: its state, never "loss 0.000"
             parts.append(f"{r['name']}:{r['state']}")
         else:
-            figures = " ".join(f"{label} {_fmt(r.get(key), '.0f' if key == 'rounds' else '.3f')}"
+            figures = " ".join(f"{label} {_fmt(r.get(key), '.0f' if key in ints else '.3f')}"
                                for label, key in columns.items() if not (key == "rounds" and r.get(key) is None))
             parts.append(f"{r['name']}: step {int(r['steps'])} {figures}")
     print(f"[{t:6.1f}s] " + " | ".join(parts), flush=True)
 
 
-def summarize(rows: list[dict[str, Any]], nodes: int, wall: float) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], nodes: int, wall: float,
+              figures: tuple[str, ...] = DEFAULT_FIGURES) -> dict[str, Any]:
+    """The demo's summary: nodes, steps (the fewest any node took), wall time, the per-node rows,
+    and those of the role-neutral ``figures`` the role has (means over nodes; rounds: the fewest)."""
     rounds = [r for r in rows if r.get("rounds") is not None]
 
     def mean(key: str) -> float | None:
         # a pipeline's transformer stages report NaN losses (they never compute one): skip them
         vals = [r[key] for r in rows if r.get(key) is not None and math.isfinite(r[key])]
         return sum(vals) / len(vals) if vals else None
+    known = {"loss_start": mean("loss_start"), "loss_end": mean("loss"),
+             "eval_loss_start": mean("eval_loss_start"), "eval_loss_end": mean("eval_loss"),
+             "rounds": int(min(r["rounds"] for r in rounds)) if rounds else None,
+             "rounds_ok": int(sum((r["rounds_ok"] or 0) for r in rows))}
     return {"nodes": nodes, "steps": int(min((r["steps"] or 0) for r in rows)) if rows else 0,
-            "loss_start": mean("loss_start"), "loss_end": mean("loss"),
-            "eval_loss_start": mean("eval_loss_start"), "eval_loss_end": mean("eval_loss"),
-            "rounds": int(min(r["rounds"] for r in rounds)) if rounds else None,
-            "rounds_ok": int(sum((r["rounds_ok"] or 0) for r in rows)),
+            **{key: value for key, value in known.items() if key in figures},
             "wall_s": round(wall, 1), "per_node": rows}
 
 
@@ -222,14 +241,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     continue
                 next_print = time.monotonic() + 3.0
                 rows = [node_progress(w, demo) for w in workers]
-                print_progress(rows, time.monotonic() - t0, getattr(demo, "PROGRESS_COLUMNS", DEFAULT_COLUMNS))
+                print_progress(rows, time.monotonic() - t0, getattr(demo, "PROGRESS_COLUMNS", DEFAULT_COLUMNS),
+                               tuple(getattr(demo, "COUNT_KEYS", ())))
                 if finished or timed_out:
                     break
         except KeyboardInterrupt:
             print("\nstopping (Ctrl-C): draining every node…", flush=True)
         failed = [w for w in workers if not w.alive() and w.proc.returncode not in (0, None)]
         swarm.stop_all()
-    summary = summarize(rows, n, time.monotonic() - t0)
+    summary = summarize(rows, n, time.monotonic() - t0, tuple(getattr(demo, "FIGURES", DEFAULT_FIGURES)) if training
+                        else ())  # membership only: no training figures
     for key in getattr(demo, "SUMMARY_KEYS", ()) if training else ():  # optional: role figures, mean over nodes
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         summary[key] = sum(vals) / len(vals) if vals else None
@@ -238,10 +259,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if training and hasattr(demo, "summary_text"):
         print(f"summary: {demo.summary_text(summary)}", flush=True)
     elif training:
-        print(f"summary: {n} workers, {summary['steps']} steps, train loss {_fmt(summary['loss_start'])} -> "
-              f"{_fmt(summary['loss_end'])}, eval loss {_fmt(summary['eval_loss_start'])} -> "
-              f"{_fmt(summary['eval_loss_end'])}"
-              + ("" if summary["rounds"] is None else f", {summary['rounds']} outer rounds"), flush=True)
+        print(f"summary: {n} workers, {summary['steps']} steps, train loss {_fmt(summary.get('loss_start'))} -> "
+              f"{_fmt(summary.get('loss_end'))}, eval loss {_fmt(summary.get('eval_loss_start'))} -> "
+              f"{_fmt(summary.get('eval_loss_end'))}"
+              + ("" if summary.get("rounds") is None else f", {summary['rounds']} outer rounds"), flush=True)
     else:
         print(f"summary: {n} {role} node(s) ran for {summary['wall_s']} s", flush=True)
     for w in failed:

@@ -10,7 +10,7 @@ checkpointed or downloaded *host* tensors onto the configured device, no extra c
 there), and the ``swarmnode_device_info`` / ``swarmnode_cuda_memory_*`` gauges plus the card
 details (:func:`device_details`) the coordinator reads to place stages by capacity.
 
-Start-up order (ARCHITECTURE.md): hivemind forks its DHT process, so no CUDA call may happen
+Start-up order (docs/architecture.md, 'Node lifecycle'): hivemind forks its DHT process, so no CUDA call may happen
 before the DHT is up. Importing this module and validating :class:`DeviceConfig` touch neither
 torch nor CUDA; call :func:`resolve_device` from the role's ``start()`` (after
 ``Membership.start_dht``), never at import or config time. ``device = "cpu"`` never calls
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from node.errors import ConfigError
 from node.metrics import REGISTRY
 
 if TYPE_CHECKING:  # torch is imported lazily: config checks stay cheap and CUDA-free
@@ -98,8 +99,6 @@ def resolve_device(cfg: DeviceConfig) -> "torch.device":
     """The :class:`torch.device` for ``cfg.device``; raises ConfigError (exit 2) naming the field
     and what torch found when the GPU is missing. Call after the DHT has started (module doc)."""
     import torch
-
-    from node.config import ConfigError
 
     want = cfg.device
     if want == "cpu":

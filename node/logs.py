@@ -1,4 +1,4 @@
-"""JSON-lines logging on stdout, written off the hot path (ops.md §9).
+"""JSON-lines logging on stdout, written off the hot path.
 
 Owns the ``[log]`` config section, the root handler (a ``QueueHandler`` whose listener thread
 formats and writes), the per-node log context and ``emit``. Does not own event names (each
@@ -6,10 +6,9 @@ module picks stable ones: ``state_changed``, ``drain_step`` ...) nor metrics.
 
     setup_logging(cfg.log)                            # once, in `swarmnode run`
     set_context(run_id=cfg.run_id, role=cfg.role, peer_id=peer_id, state="joining")
-    emit(log, "drain_step", step="grpc_stop", duration_s=0.41)
-    log.info("fetched %d tensors", n, extra={"event": "state_sync", "bytes": total})
+    emit(log, "drain_step", "drain step {step} took {duration_s:.2f} s", step="grpc_stop", duration_s=0.41)
     # {"ts":"2026-05-01T12:00:00.123Z","level":"info","logger":"node.drain","event":"drain_step",
-    #  "msg":"drain_step","run_id":"demo-0","peer_id":"12D3KooW…","role":"noloco",
+    #  "msg":"drain step grpc_stop took 0.41 s","run_id":"demo-0","peer_id":"12D3KooW…","role":"noloco",
     #  "state":"draining","round":null,"step":"grpc_stop","duration_s":0.41}
 
 hivemind's loggers propagate into the root handler (their own colored handler is switched off),
@@ -178,7 +177,7 @@ def setup_logging(cfg: LogConfig, stream: TextIO | None = None, hivemind: bool =
     stdout). Safe to call again: the previous handler is flushed and replaced.
 
     ``hivemind=True`` imports hivemind (seconds: it pulls in torch) to reroute its loggers.
-    Pass False in the py-libp2p sidecar, which must never import hivemind (ARCHITECTURE.md),
+    Pass False in the py-libp2p sidecar, which must never import hivemind (docs/architecture.md),
     and in light tools; ``route_hivemind_logs()`` can still be called later."""
     shutdown_logging()
     stream = stream if stream is not None else sys.stdout
@@ -233,14 +232,35 @@ def shutdown_logging() -> None:
     out.flush()
 
 
-def emit(logger: logging.Logger | str, event: str, level: int = logging.INFO, msg: str | None = None,
-         **fields: Any) -> None:
-    """Log a named event with fields (units in the names: ``duration_s``, ``bytes``). Field
-    names may shadow LogRecord attributes (``name``, ``module`` ...) without error."""
+def emit(logger: logging.Logger | str, event: str, msg: str | None = None, /, *, level: int = logging.INFO,
+         exc_info: Any = None, **fields: Any) -> None:
+    """Write the structured event ``event`` with ``fields``: the way every event is logged.
+
+    ``msg`` is the human line, a ``str.format`` template over the same fields, so each value is
+    written once::
+
+        emit(log, "round_done", "round {round}: loss {loss:.4f}, {peers} peers", round=r, loss=x, peers=n)
+
+    (no ``msg``: the line is the event name). Units go in the field names (``duration_s``,
+    ``bytes``); field names may shadow LogRecord attributes (``name``, ``module`` ...). A
+    template that does not fit its fields (a None where ``:.3f`` wants a number) still logs,
+    with the fields. ``exc_info`` as in ``logging`` (an exception or True)."""
     lg = logging.getLogger(logger) if isinstance(logger, str) else logger
     if not lg.isEnabledFor(level):
         return
+    text = event if msg is None else _format(msg, fields)
     fn, lno, func, _ = lg.findCaller(stacklevel=2)
-    record = lg.makeRecord(lg.name, level, fn, lno, msg or event, (), None, func)
+    if exc_info is True:
+        exc_info = sys.exc_info()
+    elif isinstance(exc_info, BaseException):
+        exc_info = (type(exc_info), exc_info, exc_info.__traceback__)
+    record = lg.makeRecord(lg.name, level, fn, lno, text, (), exc_info or None, func)
     record.event, record._fields = event, fields
     lg.handle(record)
+
+
+def _format(template: str, fields: dict[str, Any]) -> str:
+    try:
+        return template.format_map(fields)
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError):
+        return template  # the fields are in the record anyway

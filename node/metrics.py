@@ -1,6 +1,6 @@
 """Node-level Prometheus metrics on an isolated registry (never the global one).
 
-Owns the registry, the node/DHT/gRPC/rejection series of ops.md §5 and the series every
+Owns the registry, the node/DHT/gRPC/rejection series (docs/operations.md, 'Metrics and dashboards') and the series every
 training role shares (train loss/tokens/steps/step time, eval loss, state downloads,
 checkpoints; set them through :func:`record_train_step` and :func:`count_rejection`). A series may
 be declared only once per registry, so roles import these and declare only their own
@@ -150,7 +150,7 @@ def record_train_step(loss: float, tokens: int, seconds: float) -> None:
 
 TENSOR_REASONS = frozenset({"nonfinite", "checksum", "shape", "dtype", "size", "truncated", "norm", "distance"})
 RPC_REASONS = ("auth", "stale", "size", "rate", "schema")
-"""The request rejection reasons of ops.md §5 (others, e.g. ``banned``, appear when first counted)."""
+"""The request rejection reasons (docs/operations.md, 'Metrics and dashboards'; others, e.g. ``banned``, appear when first counted)."""
 
 # Every label value a dashboard or alert expects exists from the start (at 0): rate() and
 # increase() then see the first rejection, and panels show 0 instead of "no data".

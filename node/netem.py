@@ -1,11 +1,11 @@
 """Link emulation: latency and bandwidth added when THIS node sends over gRPC.
 
 Owns the ``[netem]`` config section, per-destination link lookup, a stream pacer and the
-modelled averaging time (noloco.md §3.7). It does not own the gRPC client (callers await the
+modelled time of a group average (``allreduce_seconds``). It does not own the gRPC client (callers await the
 pacer before each frame) and it cannot see hivemind's averager traffic, which goes through
 p2pd; for that, ``modelled_allreduce_s`` gives the time an averaging step is padded to.
 
-The kernel here has no ``tc netem`` (ARCHITECTURE.md), so delays are applied in our own
+The kernel here has no ``tc netem`` (docs/architecture.md, 'Transport'), so delays are applied in our own
 transport, as the SkipPipe and NoLoCo papers did. Only the sender waits: a link A->B is
 emulated by A, so give both directions if both matter.
 
@@ -166,7 +166,7 @@ def transfer_s(link: LinkSpec | None, nbytes: int, first: bool = True) -> float:
 
 
 def modelled_allreduce_s(nbytes: int, n: int, links: list[LinkSpec]) -> float:
-    """Modelled time of a ring all-reduce of ``nbytes`` among ``n`` peers (noloco.md §3.7):
+    """Modelled time of a ring all-reduce of ``nbytes`` among ``n`` peers:
     ``2*max_latency + 2*(n-1)/n * bytes / min_bandwidth``. Unlimited links add no
     bandwidth term; n < 2 or no links costs nothing. Label results that use it *modelled*."""
     if n < 2 or not links:

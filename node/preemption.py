@@ -1,4 +1,4 @@
-"""Spot preemption watchers: poll the cloud metadata server, fire the drain once (ops.md §4).
+"""Spot preemption watchers: poll the cloud metadata server, fire the drain once (docs/operations.md, 'Drain and preemption').
 
 Owns the ``[preemption]`` config section and the polling. Does not own the drain itself
 (node/lifecycle) nor the metric: the caller passes ``on_count`` to increment

@@ -24,6 +24,10 @@ A role declares itself on its class (:class:`RoleBase`)::
 
 and in ``pyproject.toml`` names its module (``[project.entry-points."swarmnode.roles"]``) and its
 own sections (``[project.entry-points."swarmnode.sections"]``, so config checks need no import).
+
+A training role derives from ``node.training.TrainingRole`` (a ``RoleBase``) instead: it brings
+the compute thread, the run knobs, the round loop, finish, drain, checkpoints, state serving and
+the per-round report, so the role writes only its engine and round policy.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, NamedTuple
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from node.config import ROLE_GROUP, ConfigError, closest, format_validation_error, installed_roles, registered_sections
+from node.logs import emit
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc.aio
@@ -243,7 +248,7 @@ def load_installed_roles(skip: tuple[str, ...] = ()) -> dict[str, type]:
         try:
             out[name] = load_role(name)
         except Exception as exc:  # noqa: BLE001 - reported; the other roles still load
-            log.error("role %r could not be loaded (%r): its bootstrap services and record namespaces are "
-                      "missing on this node; fix its installation", name, exc,
-                      extra={"event": "role_load_failed", "role_name": name})
+            emit(log, "role_load_failed", "role {role_name!r} could not be loaded ({error}): its bootstrap services "
+                 "and record namespaces are missing on this node; fix its installation", level=logging.ERROR,
+                 role_name=name, error=repr(exc))
     return out

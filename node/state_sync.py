@@ -2,17 +2,18 @@
 
 The role supplies a snapshot callable returning a :class:`StateSnapshot` (metadata such as
 round / iteration / stage, named weight tensors, optionally named optimizer tensors) taken at a
-consistent point; :class:`StateServicer` streams it as codec wire frames (the codec's fast
-path, ``protocol.codec.serialize_frame`` / ``parse_frame``, registered with
-:func:`add_state_service`). The metadata and the donor's cfg hash travel in the response's
-initial metadata as generic keys ``x-swarmnode-state-<key>``; the request's ``want_state``
-selects weights or weights plus optimizer state (CheckFree needs both). A donor serves at most
-``max_concurrent`` downloads at once (RESOURCE_EXHAUSTED beyond).
+consistent point; :class:`StateServicer` streams it as tensor-stream frames
+(``protocol/stream_wire.py``: the framing, digest trailer and assembler every tensor on the
+wire uses; registered with :func:`add_state_service`). The metadata and the donor's cfg hash
+travel in the response's initial metadata as generic keys ``x-swarmnode-state-<key>``; the
+request's ``want_state`` selects weights or weights plus optimizer state (CheckFree needs
+both). A donor serves at most ``max_concurrent`` downloads at once (RESOURCE_EXHAUSTED beyond).
 
-:func:`fetch_state` checks the run, the cfg hash, every name, dtype and shape (the codec refuses
-anything else before allocating) and finiteness, and raises :class:`StateFetchError` with the
-reason. :func:`order_donors` picks whom to ask: live READY peers of the same role and config,
-most advanced first, random among ties (joiners spread the load).
+:func:`fetch_state` checks the run, the cfg hash, every name, dtype and shape (the stream
+assembler refuses anything else before allocating), that each tensor comes once, and
+finiteness, and raises :class:`StateFetchError` with the reason. :func:`order_donors` picks
+whom to ask: live READY peers of the same role and config, most advanced first, random among
+ties (joiners spread the load).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import torch
 
 from node.card import CardView, card_int, frontier_card_int, peers
 from protocol import weights_pb2
-from protocol.codec import TensorAssembler, TensorRejected, aencode_tensors, check_finite, parse_frame, serialize_frame
+from protocol.channels import signed_channel
+from protocol.codec import TensorRejected, check_finite
 from protocol.grpc_options import channel_options
-from protocol.streams import signed_channel
+from protocol.stream_wire import StreamAssembler, parse, tensor_frames
 
 log = logging.getLogger("swarmnode.state_sync")
 
@@ -97,15 +99,17 @@ class StateServicer:
             if both:
                 items += [(OPTIMIZER_PREFIX + n, t) for n, t in snap.optimizer.items()]
             pace = self._netem.pacer(context.peer()) if self._netem is not None else None
-            async for frame in aencode_tensors(items, pace=pace, wire=True):
-                yield frame
+            for seq, (name, tensor) in enumerate(items):
+                for frame in tensor_frames(seq, name, tensor):
+                    if pace is not None:
+                        await pace(len(frame))
+                    yield frame
 
 
 def add_state_service(servicer: StateServicer, server: grpc.aio.Server) -> None:
-    """Register ``swarmnode.WeightService/Fetch`` with the zero-copy frame serializers."""
+    """Register ``swarmnode.WeightService/Fetch``; frames pass as bytes (stream_wire builds them)."""
     handler = grpc.unary_stream_rpc_method_handler(servicer.Fetch,
-                                                   request_deserializer=weights_pb2.FetchRequest.FromString,
-                                                   response_serializer=serialize_frame)
+                                                   request_deserializer=weights_pb2.FetchRequest.FromString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Fetch": handler}),))
 
 
@@ -150,8 +154,7 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expect
         req.stage = stage
     async with signed_channel(addr, channel_options(max_message_bytes), peer_id=peer_id) as channel:
         method = channel.unary_stream(f"/{SERVICE}/Fetch",
-                                      request_serializer=weights_pb2.FetchRequest.SerializeToString,
-                                      response_deserializer=parse_frame)
+                                      request_serializer=weights_pb2.FetchRequest.SerializeToString)
         call = method(req, timeout=timeout)
         try:
             raw = dict(await call.initial_metadata() or ())
@@ -163,14 +166,7 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expect
             if theirs != cfg_hash:
                 raise StateFetchError(f"peer {addr} runs cfg_hash {theirs!r}, ours is {cfg_hash!r}: its role/model "
                                       "settings differ; fix the config so all nodes of the role match")
-            asm = TensorAssembler(cap, expected=want)
-            out: dict[str, torch.Tensor] = {}
-            async for frame in call:
-                done = asm.feed(frame)
-                if done is not None:
-                    name, tensor = done
-                    out[name] = tensor
-            asm.finish()
+            out = await _receive(call, StreamAssembler(cap, "limits.max_state_bytes", expected=want))
             await run(_check_all_finite, out)
         except TensorRejected as exc:
             call.cancel()
@@ -183,6 +179,23 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expect
     if missing:
         raise StateFetchError(f"state from {addr} lacks {missing[:5]}")
     return meta, out
+
+
+async def _receive(call, asm: StreamAssembler) -> dict[str, torch.Tensor]:
+    """Every tensor of a download, each name once; raises TensorRejected."""
+    out: dict[str, torch.Tensor] = {}
+    async for data in call:
+        f = parse(data)
+        if not f.is_tensor:
+            raise TensorRejected("malformed", "a state download carries tensor frames only; the donor speaks "
+                                 "another protocol")
+        got = asm.feed(f)
+        if got is not None:
+            if got.name in out:
+                raise TensorRejected("malformed", f"tensor {got.name!r} sent twice in one download")
+            out[got.name] = got.tensor
+    asm.finish()
+    return out
 
 
 def _check_all_finite(tensors: Mapping[str, torch.Tensor]) -> None:

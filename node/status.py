@@ -5,7 +5,8 @@ Default mode joins the DHT as a short-lived client (no key file needed, nothing 
 has that role's own card details as columns (a NoLoCo worker's round and blocked share, a stage's
 index and iteration, a GRPO peer's round, reward and rejections) and the event bus's
 reachability (``BUS_REACH``: peers that could dial the node / peers that tried). ``--watch``
-refreshes every 2 s under a one-line summary. ``--local`` asks this host's ops port instead and
+refreshes every 2 s under a one-line summary. Table cells are for reading (a wall-clock detail
+as ``in 0.4 s``, a flag only where it is set); ``--json`` keeps every raw value. ``--local`` asks this host's ops port instead and
 imports neither torch nor hivemind, which makes it a cheap container healthcheck (``--ready``:
 exit 0 only when READY).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 import urllib.error
@@ -80,7 +82,7 @@ def mark_quarantined(rows: list[dict[str, Any]]) -> None:
 
 def mark_banned(rows: list[dict[str, Any]]) -> None:
     """Add ``banned_by`` (how many other nodes ban it) to the rows of peers that other nodes'
-    cards list in ``banned_ids`` (node/grpc_server.py: the last 8 characters of each banned key)
+    cards list in ``banned_ids`` (node/call_guard.py: the last 8 characters of each banned key)
     or ``grpo_banned_ids`` (a ``grpo`` peer's rollout-poisoning bans, rl/grpo_role.py)."""
     bans = [(r["peer_id"], (set(str(r.get("banned_ids") or "").split(","))
                             | set(str(r.get("grpo_banned_ids") or "").split(","))) - {""}) for r in rows]
@@ -106,16 +108,37 @@ TABLE_HIDDEN_SUFFIXES = ("_hash", "_id", "_name", "_bytes")
 """Card details left out of the table (identities, hashes, sizes; ``--json`` has every detail)."""
 
 
-def _cell(value: Any) -> str:
+WALL_CLOCK_SUFFIX = "_at"
+"""Card details named ``*_at`` hold a wall-clock time (Unix seconds, e.g. NoLoCo's
+``next_exchange_at``); the table shows them relative to now (``in 0.4 s``, ``2.0 s ago``)."""
+
+
+def _header(key: str) -> str:
+    """Column title: the detail's name, less ``_at`` for a wall-clock time (``NEXT_EXCHANGE``)."""
+    return (key[:-len(WALL_CLOCK_SUFFIX)] if key.endswith(WALL_CLOCK_SUFFIX) else key).upper()
+
+
+def _cell(value: Any, key: str = "", now: float | None = None) -> str:
+    """What an operator reads: a wall-clock time relative to ``now``, ``yes`` for a true flag and
+    nothing for a false or unset one, floats to 3 significant digits."""
+    if value is None or value is False:
+        return ""
+    if value is True:
+        return "yes"
+    if key.endswith(WALL_CLOCK_SUFFIX) and isinstance(value, (int, float)) and math.isfinite(value):
+        delta = value - (time.time() if now is None else now)
+        return f"in {delta:.1f} s" if delta >= 0 else f"{-delta:.1f} s ago"
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
 
 
-def _role_table(rows: list[dict[str, Any]]) -> list[str]:
+def _role_table(rows: list[dict[str, Any]], now: float | None = None) -> list[str]:
     """One role's nodes: the common columns, then that role's own card details in the order its
     nodes publish them (NoLoCo: round, blocked; stage: stage, iteration; grpo: round, reward,
-    rejected; the event bus adds bus_reach and gossip_addr), then address and card age."""
+    rejected; the event bus adds bus_reach and gossip_addr), then address and card age. A detail
+    no node of the role has set (None, False or missing: e.g. ``finishing`` before a worker's last
+    round) gets no column; ``--json`` keeps every raw value."""
     head = ["peer_id", "role", "state"]
     tail = ["address", "age_s"]
     own: list[str] = []
@@ -124,12 +147,14 @@ def _role_table(rows: list[dict[str, Any]]) -> list[str]:
             if k not in own and k not in head and k not in tail and k not in ("version", "uptime_s", "bus_hint", "banned_ids",
                                                                                  "grpo_banned_ids", "quarantined",
                                                                                  "quarantined_why") \
-                    and not k.endswith(TABLE_HIDDEN_SUFFIXES):
+                    and not k.endswith(TABLE_HIDDEN_SUFFIXES) \
+                    and any(row.get(k) not in (None, False) for row in rows):
                 own.append(k)
     cols = head + own + tail
-    table = [[str(r[c])[:16] + "…" if c == "peer_id" else _cell(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths)).rstrip()]
+    table = [[str(r[c])[:16] + "…" if c == "peer_id" else _cell(r.get(c), c, now) for c in cols] for r in rows]
+    heads = [_header(c) for c in cols]
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip()]
     lines += ["  ".join(x.ljust(w) for x, w in zip(t, widths)).rstrip() for t in table]
     # under the table, not in it: a hint is a sentence
     lines += [f"{str(r['peer_id'])[:16]}…: {r['bus_hint']}" for r in rows if r.get("bus_hint")]
@@ -138,12 +163,13 @@ def _role_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """One table per role (rows keep their order: bootstrap first), separated by a blank line."""
+def format_table(rows: list[dict[str, Any]], now: float | None = None) -> str:
+    """One table per role (rows keep their order: bootstrap first), separated by a blank line;
+    ``now`` (default: the clock) is what wall-clock details are shown relative to."""
     if not rows:
         return "no live nodes in this run (wrong --run-id? cards expire 30 s after a node stops)"
     roles = list(dict.fromkeys(r["role"] for r in rows))
-    blocks = ["\n".join(_role_table([r for r in rows if r["role"] == role])) for role in roles]
+    blocks = ["\n".join(_role_table([r for r in rows if r["role"] == role], now)) for role in roles]
     return "\n\n".join(blocks)
 
 

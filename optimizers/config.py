@@ -1,7 +1,7 @@
 """`[noloco]` configuration: the NoLoCo / DiLoCo method, pairing and inner-optimizer knobs.
 
-Owns the schema, the defaults (noloco.md §2.6: the *demo* column where the spec gives one, else
-the NoLoCo column), the start-up validators (§3.8) and `cfg_hash`, the digest of the fields that
+Owns the schema, the defaults (sized for the demo where the papers' recipe is too slow for a CPU,
+else NoLoCo's), the start-up validators (docs/noloco.md, 'Configuration') and `cfg_hash`, the digest of the fields that
 must be identical between peers that average together. Does not own the role's runtime state
 (round counter, roster) or the transport; `optimizers/noloco_role.py` reads this config.
 """
@@ -18,14 +18,14 @@ from models.optim import InnerConfig
 
 __all__ = ["InnerConfig", "NoLoCoConfig", "HASHED_FIELDS", "DEFAULT_OUTER_MOMENTUM"]
 
-# Fields whose values must agree between peers that average together (noloco.md §3.3, §3.6).
+# Fields whose values must agree between peers that average together (docs/noloco.md, 'Configuration').
 HASHED_FIELDS: tuple[str, ...] = (
     "outer", "diloco_momentum", "inner_steps", "outer_lr", "outer_momentum", "consensus",
     "group_size", "seed",
 )
 _HASH_VERSION = "noloco-cfg-v1"
 
-# outer_momentum when the config leaves it unset, per outer form (noloco.md §2.5-2.6): NoLoCo's
+# outer_momentum when the config leaves it unset, per outer form (docs/noloco.md, 'DiLoCo baseline'): NoLoCo's
 # alpha 0.5; heavy-ball DiLoCo mu 0.3 (the NoLoCo authors' baseline); Nesterov DiLoCo mu 0.9 (the
 # DiLoCo paper). Keys: "noloco", or the diloco_momentum form.
 DEFAULT_OUTER_MOMENTUM: dict[str, float] = {"noloco": 0.5, "heavyball": 0.3, "nesterov": 0.9}
@@ -157,7 +157,7 @@ class NoLoCoConfig(BaseModel):
     max_solo_rounds: int = Field(3, ge=1)
     """After this many solo rounds in a row, re-draw the matchmaking bucket bits."""
 
-    # ---- checks on peers' input (security.md §7; local, not part of cfg_hash) ------------------
+    # ---- checks on peers' input (docs/noloco.md, 'Bounds and rollback'; local, not part of cfg_hash) ------------------
     max_round_jump: int = Field(16, ge=1)
     """Range check on the rounds peers claim in their node cards: a card whose round is more than
     this many rounds away from the swarm's frontier anchor (the lower median of the other READY

@@ -1,6 +1,6 @@
 """DiLoCo outer optimizer (the `outer: diloco` baseline): heavy-ball and Nesterov forms.
 
-Owns the update of noloco.md §2.5 on lists of fp32 tensors. The group is every live worker, so
+Owns the update of docs/noloco.md, 'DiLoCo baseline', on lists of fp32 tensors. The group is every live worker, so
 `phi` is identical everywhere and only `theta` is averaged; the caller passes that mean.
 
 Sign convention (pitfall 4), used throughout this module: the *pseudo-gradient*
@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from optimizers.noloco import _check_like, _fp32_copy, restore_phi_m
+from optimizers.outer_state import check_like, fp32_copy, restore_phi_m
 
 __all__ = ["DiLoCoOuter", "DEFAULT_MOMENTUM"]
 
@@ -51,7 +51,7 @@ class DiLoCoOuter:
         self.momentum = momentum
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
-        self.phi: list[Tensor] = _fp32_copy(params)
+        self.phi: list[Tensor] = fp32_copy(params)
         self.m: list[Tensor] = [torch.zeros_like(p) for p in self.phi]   # m (heavyball) or b
         self.rounds = 0
 
@@ -63,8 +63,8 @@ class DiLoCoOuter:
     @torch.no_grad()
     def exchange_tensors(self, theta: Sequence[Tensor]) -> list[Tensor]:
         """Fresh fp32 copies of theta: the only buffers averaged (phi is the same everywhere)."""
-        _check_like("theta", theta, self.phi)
-        return _fp32_copy(theta)
+        check_like("theta", theta, self.phi)
+        return fp32_copy(theta)
 
     def split_means(self, means: Sequence[Tensor]) -> tuple[list[Tensor], None]:
         if len(means) != len(self.phi):
@@ -82,12 +82,12 @@ class DiLoCoOuter:
             raise TypeError("outer_step needs n, the number of workers averaged (1 = solo)")
         if n < 1:
             raise ValueError(f"group size n={n} must be >= 1")
-        _check_like("theta", theta, self.phi)
+        check_like("theta", theta, self.phi)
         if n == 1 or theta_bar is None:
             if n != 1:
                 raise ValueError("theta_bar is required when n >= 2")
             theta_bar = theta
-        _check_like("theta_bar", theta_bar, self.phi)
+        check_like("theta_bar", theta_bar, self.phi)
         mu, eta = self.outer_momentum, self.outer_lr
         first = self.rounds == 0
         for phi, buf, tb in zip(self.phi, self.m, theta_bar):
@@ -121,6 +121,6 @@ class DiLoCoOuter:
     @torch.no_grad()
     def set_phi(self, phi: Sequence[Tensor]) -> None:
         """Adopt a peer's phi (after a missed round; DiLoCo assumes identical phi). Keeps m."""
-        _check_like("phi", phi, self.phi)
+        check_like("phi", phi, self.phi)
         for dst, src in zip(self.phi, phi):
             dst.copy_(src)

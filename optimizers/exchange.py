@@ -1,47 +1,48 @@
 """Transport of the NoLoCo/DiLoCo outer step: find a group for round r, return the exact mean.
 
 Owns group formation through the DHT roster (``optimizers/roster.py``) and the tensor
-exchange over our own gRPC (``protocol/noloco.proto``). ``OuterExchange`` is the facade the
-role calls; the work is done by small objects over one shared ``ExchangeLink``
-(``exchange_link.py``: identity, specs, round state, stream operations):
+exchange, which runs on the tensor stream every role shares (``protocol/streams.py``) under
+its own method ``/swarmnode.NoLoCo/Exchange``. ``OuterExchange`` is the facade the role calls;
+the work is done by small objects over one shared ``ExchangeLink`` (``exchange_link.py``:
+identity, specs, round state, stream operations):
 
-    PairExchange   (exchange_pair.py)    the caller's side of a pair round
-    GroupExchange  (exchange_group.py)   the root's collection and the members' side of a group round
-    NoLoCoServicer (exchange_server.py)  the callee's side: checks headers, serves pair and gather
+    PairExchange   (exchange_pair.py)    the proposer's loop; ``swap``: both ends of a matched pair
+    GroupExchange  (exchange_group.py)   the root's collection, the members' side, the root's handler
+    NoLoCoServicer (exchange_server.py)  the callee's service: admits hellos, dispatches pair / gather
 
-ExchangeFrame helpers and shared types are in ``exchange_common.py``; the codec, stream
-plumbing and the mean are ``protocol/codec.py``, ``protocol/streams.py`` and
+The hello, constants and shared types are in ``exchange_common.py``; the frames, the stream
+and the mean are ``protocol/stream_wire.py``, ``protocol/streams.py`` and
 ``node/averaging.py``. It does not own the optimizer math (the role hands tensors in and gets
 means back) nor the gRPC server: the role registers ``add_exchange_to_server(ex.servicer(),
-server)`` (zero-copy frames; use this) or the generated
-``noloco_pb2_grpc.add_NoLoCoServicer_to_server`` (protobuf frames, slower).
+server)``.
 
 pair_average (NoLoCo, k=2; no global barrier):
   1. mark WAITING(r) (the servicer now accepts proposals for r), publish a RosterEntry;
   2. loop until matched, closed or the deadline: read the roster; candidates = entries with a
      HIGHER peer ID, same cfg_hash, not finally refused this round; pick one at random
-     (``Random(f"{r}:{me}")``); holding MY match lock, open ``Exchange`` and wait for the reply
-     header. The callee takes ITS lock (<= LOCK_WAIT_S, else "busy": retried later), accepts
-     only if WAITING(r), in pair mode and unmatched, and marks itself MATCHED. Proposals only
+     (``Random(f"{r}:{me}")``); holding MY match lock, open ``Exchange`` (our hello carries the
+     round, cfg and spec hashes) and wait for the callee's hello. The callee takes ITS lock
+     (<= LOCK_WAIT_S, else "busy": retried later), accepts only if WAITING(r), in pair mode
+     and unmatched, and marks itself MATCHED. Proposals only
      go up in peer-ID order, so lock waits cannot form a cycle. A worker matched by an incoming
      proposal stops proposing. Refusals "matched", "other_round", "stale", errors: final for
      that candidate this round. No candidate: sleep ``poll_interval_s``, re-read. Any two
      unmatched waiting workers eventually meet (the lower one tries the higher), so with enough
      time the pairing is maximal: an even number of waiting workers all pair;
-  3. both sides stream their tensors at once (4 MiB chunks, netem pacer on send), decode the
-     other's with TensorAssembler (expected = specs, cap = largest spec), compute
+  3. both sides stream their tensors at once (one frame per tensor up to 4 MiB, netem pacer on
+     send); the stream's assembler admits only the specs (checked before allocating), compute
      ``(lower + higher) / 2`` themselves (ascending peer-ID order: bitwise equal on both sides)
      in one blockwise pass that also checks finiteness (NaN/inf -> "nonfinite"), then send
-     "done"(accepted); a side returns ok only after the partner's "done"(accepted);
+     "done"; a side returns ok only after the partner's "done";
   4. anything else (refusal, stream error, digest, NaN, deadline) -> solo/failed, mean None.
 group_average (DiLoCo, everyone): see ``exchange_group.py``. Root = lowest peer ID in the
   roster once it has ``expected`` entries or timeout/2 passed; members stream to the root and
   read back the one mean it computed; failures -> "failed" (the role re-fetches phi).
-Every await is bounded by the call's deadline (+1 s grace for an exchange in flight). Headers
+Every await is bounded by the call's deadline (+1 s grace for an exchange in flight). Hellos
 are validated (run, cfg_hash, spec hash, sender peer ID, round skew, order); refusals that mark
 a bad or misconfigured peer (COUNTED) and rejected tensors call ``on_reject(reason)``. Calls
 are signed (``security.peer_auth``, wired in by the node's gRPC host): the callee takes the
-caller's verified peer ID over the header's ``sender``, and serves only a caller with a live
+caller's verified peer ID over the hello's ``sender``, and serves only a caller with a live
 roster entry for the round (``ExchangeLink.in_roster``; refused "not_in_roster", which the
 caller retries). The partner's tensors must pass the link's norm/distance bounds.
 """
@@ -64,9 +65,8 @@ from optimizers.exchange_link import ExchangeLink
 from optimizers.exchange_pair import PairExchange
 from optimizers.exchange_server import NoLoCoServicer, add_exchange_to_server
 from optimizers.roster import RosterEntry, publish_entry, read_roster
-from protocol.codec import digests
+from protocol.channels import remaining, task
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
-from protocol.streams import remaining, task
 from security.keys import public_key_of
 
 __all__ = ["ExchangeResult", "OuterExchange", "NoLoCoServicer", "add_exchange_to_server", "METHOD"]
@@ -110,7 +110,7 @@ class OuterExchange:
 
     # ------------------------------------------------------------------ public API
     def servicer(self) -> NoLoCoServicer:
-        return NoLoCoServicer(self.link)
+        return NoLoCoServicer(self.link, self._group)
 
     async def pair_average(self, round: int, tensors: list[torch.Tensor], timeout: float) -> ExchangeResult:  # noqa: A002
         """NoLoCo k=2: average with one random partner waiting for the same round, or go solo."""
@@ -174,7 +174,6 @@ class OuterExchange:
         loop = asyncio.get_running_loop()
         st = C.Round(round=int(round), mode=mode, tensors=list(tensors), deadline=loop.time() + float(timeout))
         st.incoming = loop.create_future()
-        st.digests = task(asyncio.to_thread(digests, st.tensors))  # hashed while we look for partners
         link.state, link.last_round = st, int(round)
         entry = RosterEntry(round=int(round), grpc_addr=link.grpc_addr, cfg_hash=link.cfg_hash,
                             waiting_since=time.time())

@@ -1,23 +1,24 @@
-"""Shared pieces of the NoLoCo exchange (``optimizers/exchange.py``): ExchangeFrame wire helpers,
-the result type, per-round state and the protocol's constants.
+"""Shared pieces of the NoLoCo exchange (``optimizers/exchange.py``): the hello a caller opens
+with, the result type, per-round state, the protocol's constants and the tensor bounds.
 
-Wire: ``ExchangeFrame`` messages (``protocol/noloco.proto``) wrap the codec's ``TensorFrame``
-as field 2; tensor frames come from ``protocol.codec.aencode_frames(wrap=(2,))`` (chunks
-serialized by hand with a single copy) and parse back with ``protocol.codec.parse_chunk`` into
-a zero-copy ``ChunkView``; headers go through protobuf. Frame building, digests, finiteness and
-the thread threshold are the codec's; means are ``node/averaging.py``'s; stream plumbing and
-peer errors are ``protocol/streams.py``'s. No grpc server or DHT code.
+Wire: the exchange speaks the tensor stream protocol (``protocol/streams.py``, frames in
+``protocol/stream_wire.py``) under its own method ``/swarmnode.NoLoCo/Exchange`` (so per-service
+limits and health keep their own name). Control headers travel as frame meta: the caller's
+"open" is its hello (channel = mode, meta = round, cfg hash, spec hash, tensor count); a
+refusal is the callee's gRPC status (``Refused``: ``"reason: detail"``); "done" is a small
+control tensor named ``DONE`` (meta: group size; payload: the group's member IDs). No grpc
+server or DHT code here.
 
-    spec_hash(specs) -> str;  header_frame(wire, **fields);  encode_tensors(...) -> (frame, bytes)
-    serialize(frame) / parse_wire(data) / split(item)      # gRPC (de)serializers
+    spec_hash(specs) -> str;  hello_meta(round, cfg_hash, spec_hash, n_tensors) -> dict
+    opening(hello) -> Opening          # a caller's hello, parsed (Refused "malformed" if not)
     ExchangeResult, Round (per-call state); constants (timeouts, refusal classes, outcomes)
-    TensorBounds, bound_violation(ours, theirs, bounds) -> (reason, detail) | None   # security.md §7
+    TensorBounds, bound_violation(ours, theirs, bounds) -> (reason, detail) | None
 
 Tensor bounds (``bound_violation``) are symmetric in (ours, theirs): the two partners of a pair
 run the same test on the same two tensor lists and reach the same verdict, so a pair never
 splits into one side applying the mean and the other not. (Should they still disagree, e.g.
 different configured bounds, the "done" handshake makes both sides solo: each returns ok only
-after the partner's "done"(accepted), and a side that rejects never sends one.)
+after the partner's "done", and a side that rejects never sends one.)
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import grpc
 import torch
 
-from protocol import noloco_pb2
-from protocol.codec import DEFAULT_CHUNK_BYTES, ChunkView, aencode_frames, dtype_name, parse_chunk, serialize_frame
+from protocol.codec import dtype_name
+from protocol.stream_errors import Refused
 
-__all__ = ["Spec", "spec_hash", "header_frame", "encode_tensors", "serialize", "parse_wire", "split",
-           "spec_bytes", "ExchangeResult", "Round", "TensorBounds", "bound_violation"]
+__all__ = ["Spec", "spec_hash", "spec_bytes", "hello_meta", "Opening", "opening", "ExchangeResult", "Round",
+           "TensorBounds", "bound_violation"]
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -52,51 +55,44 @@ def spec_bytes(spec: Spec) -> int:
     return n * spec[1].itemsize
 
 
-def header_frame(wire: bool, **fields) -> bytes | noloco_pb2.ExchangeFrame:
-    frame = noloco_pb2.ExchangeFrame(header=noloco_pb2.ExchangeHeader(**fields))
-    return frame.SerializeToString() if wire else frame
+def hello_meta(round: int, cfg_hash: str, spec_hash: str, n_tensors: int) -> dict[str, str]:  # noqa: A002
+    """The meta of a caller's hello: what the callee checks before it accepts (``opening``)."""
+    return {"round": str(int(round)), "cfg_hash": cfg_hash, "spec_hash": spec_hash, "n_tensors": str(int(n_tensors))}
 
 
-async def encode_tensors(tensors: Sequence[torch.Tensor], names: Sequence[str], wire: bool,
-                         pace: Callable[[int], Awaitable[None]] | None = None,
-                         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                         precomputed: Awaitable[list[bytes]] | None = None) -> AsyncIterator[tuple[object, int]]:
-    """Yield ``(ExchangeFrame, payload_bytes)``: per tensor a header frame (xxh3_128 digest), then
-    chunks. ``pace(nbytes)`` (the netem pacer) is awaited before each frame. ``precomputed``: a
-    task giving ``digests(tensors)`` started earlier (hashing then leaves the critical path)."""
-    async for frame, n in aencode_frames(zip(names, tensors), chunk_bytes, pace, wire=wire,
-                                         known_digests=precomputed, wrap=(2,)):
-        yield (frame if wire else noloco_pb2.ExchangeFrame(tensor=frame)), n
+class Opening(NamedTuple):
+    """A caller's hello as the callee checks it (``NoLoCoServicer.check_open``)."""
+    run_id: str
+    round: int
+    sender: str
+    cfg_hash: str
+    n_tensors: int
+    mode: str
+    spec_hash: str
 
 
-serialize = serialize_frame  # wire bytes pass through; protobuf frames are serialized
-
-
-def parse_wire(data: bytes) -> noloco_pb2.ExchangeFrame | ChunkView:
-    """``ExchangeFrame{tensor{chunk{offset, data}}}`` in canonical layout -> ``ChunkView`` (no
-    copy); anything else through protobuf (raises DecodeError on garbage)."""
-    view = parse_chunk(data, (2,))
-    return view if view is not None else noloco_pb2.ExchangeFrame.FromString(data)
-
-
-def split(item) -> tuple[str, object]:
-    """-> ("header", ExchangeHeader) | ("tensor", TensorFrame | ChunkView) | ("empty", None)."""
-    if isinstance(item, ChunkView):
-        return "tensor", item
-    kind = item.WhichOneof("kind")
-    if kind == "header":
-        return "header", item.header
-    if kind == "tensor":
-        return "tensor", item.tensor
-    return "empty", None
+def opening(hello) -> Opening:
+    """Parse a ``StreamHello`` (run_id, sender, channel = mode, meta = ``hello_meta``)."""
+    meta: Mapping[str, str] = hello.meta
+    try:
+        rnd, n = int(meta.get("round", "")), int(meta.get("n_tensors", ""))
+    except ValueError:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                      "the hello's meta needs integer 'round' and 'n_tensors'") from None
+    if rnd < 0 or n < 0:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "round and n_tensors must be >= 0")
+    return Opening(hello.run_id, rnd, hello.sender, meta.get("cfg_hash", ""), n, hello.channel,
+                   meta.get("spec_hash", ""))
 
 
 SERVICE = "swarmnode.NoLoCo"
 METHOD = f"/{SERVICE}/Exchange"
+DONE = "done"            # the control tensor that ends a side's part of an exchange
+CAP_KEY = "noloco tensor specs"  # what bounds a received tensor (named in size errors)
+MEMBERS_CAP = 64 * 1024  # bytes of member IDs a "done" may carry (about 1,200 peer IDs)
 LOCK_WAIT_S = 0.5        # callee waits this long for its match lock, then answers "busy"
-HANDSHAKE_S = 3.5        # caller waits this long for the reply header (> LOCK_WAIT_S)
-# OPEN_WAIT_S (a server waits this long for the "open" header) and IDLE_S (longest gap between
-# two frames) are protocol.streams'.
+HANDSHAKE_S = 3.5        # caller waits this long for the callee's hello (> 2 x LOCK_WAIT_S)
+# OPEN_WAIT_S (a server waits this long for the caller's hello) is protocol.streams'.
 GRACE_S = 1.0            # extra wait for an exchange already in flight at the deadline
 PUBLISH_WAIT_S = 0.5     # pair mode: wait at most this long for our roster entry before the first read
 RETRY = frozenset({"busy", "not_in_roster"})  # the callee may not have seen our roster entry yet
@@ -129,8 +125,6 @@ class Round:
     solo_reason: str = ""                       # why the caller ended the wait early (stop_waiting)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     incoming: asyncio.Future | None = None      # result of an exchange served by the handler
-    digests: asyncio.Task | None = None         # digests(tensors), started on entry
-    mean_digests: asyncio.Task | None = None    # root: digests(mean), shared by every reply
     root: str | None = None                     # group: decided root
     contribs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     arriving: set[str] = field(default_factory=set)

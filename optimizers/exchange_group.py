@@ -1,5 +1,6 @@
 """DiLoCo group averaging, the root's collection and the members' side
-(``OuterExchange.group_average``); the root's servicer half is ``exchange_server.py``.
+(``OuterExchange.group_average``), and the root's handler of one member's stream
+(``GroupExchange.serve``, which ``exchange_server.py`` dispatches gather streams to).
 
 Policy (see ``optimizers/exchange.py`` for the whole protocol): root = lowest peer ID in the
 round's roster once it has ``expected`` entries or timeout/2 passed. Members stream their
@@ -23,10 +24,12 @@ import logging
 import grpc
 
 from optimizers import exchange_common as C
-from optimizers.exchange_common import GRACE_S
-from optimizers.exchange_link import ExchangeLink, Roster
-from protocol.codec import TensorRejected, digests
-from protocol.streams import PeerError, remaining, task
+from optimizers.exchange_common import GRACE_S, HANDSHAKE_S
+from optimizers.exchange_link import ExchangeLink, Roster, StreamRejected, peer_reason
+from protocol.channels import remaining, verified_peer
+from protocol.codec import TensorRejected
+from protocol.stream_errors import PeerError, Refused, StreamError
+from protocol.streams import TensorStream
 
 log = logging.getLogger("swarmnode.noloco.exchange")
 
@@ -78,7 +81,6 @@ class GroupExchange:
             log.warning("group mean of round %d is not finite (%s); every member fails this round", st.round, reason)
             return C.ExchangeResult(None, 1, list(contribs), C.FAILED, reason, 0, st.received)
         st.members = sorted([link.peer_id, *contribs])
-        st.mean_digests = task(asyncio.to_thread(digests, mean))  # hashed once for every reply
         st.mean = mean
         st.decided.set()
         futs = [st.sends[p] for p in contribs]
@@ -103,40 +105,77 @@ class GroupExchange:
         return res
 
     async def _gather_once(self, st: C.Round, root: str, addr: str) -> tuple[C.ExchangeResult, str | None]:
-        link, sent, recv, call = self.link, 0, 0, None
+        link, sent, recv, stream = self.link, 0, 0, None
         try:
             async with asyncio.timeout(max(0.0, remaining(st.deadline))):
-                call = link.open_call(addr, st)
-                await call.write(link.hdr(True, st, "open", mode="gather"))
-                kind, hdr = C.split(await link.next(call.read, st.deadline))
-                if kind == "header" and not hdr.accepted:
-                    raise PeerError(hdr.reason or "refused")
-                async for frame, n in link.encode(st.tensors, True, root, st.digests):
-                    await call.write(frame)
-                    sent += n
-                await call.done_writing()
-                mean, recv = await link.read_tensors(call.read, st.deadline)
+                stream = await link.open(addr, root, st, "gather", max(0.05, min(HANDSHAKE_S, remaining(st.deadline))))
+                sent = await link.send(stream, st.tensors)
+                mean, recv = await link.recv_tensors(stream)
                 await link.check_bounds(st.tensors, mean)  # the root's mean vs our own tensors
-                kind, hdr = C.split(await link.next(call.read, st.deadline))
-            if kind != "header" or not hdr.accepted or hdr.group_size < 2 or link.peer_id not in hdr.members:
-                raise PeerError("partner_error", "bad gather done frame")
-            partners = [p for p in hdr.members if p != link.peer_id]
-            return C.ExchangeResult(mean, int(hdr.group_size), partners, C.OK, "", sent, recv), None
+                meta, members = await link.recv_done(stream)
+            size = meta.get("group_size", "")
+            if not size.isdigit() or int(size) < 2 or link.peer_id not in members:
+                raise PeerError("partner_error", f"bad gather done frame (group_size {size[:8]!r})")
+            partners = [p for p in members if p != link.peer_id]
+            return C.ExchangeResult(mean, int(size), partners, C.OK, "", sent, recv), None
         except TensorRejected as exc:
-            link.count(exc.reason)
-            link.charge(root, exc.reason)
+            if not isinstance(exc, StreamRejected):  # the stream's own refusals are counted where they happen
+                link.count(exc.reason)
+                link.charge(root, exc.reason)
             return C.ExchangeResult(None, 1, [root], C.FAILED, exc.reason, sent, recv), None
-        except PeerError as exc:
+        except (StreamError, PeerError) as exc:
+            reason = peer_reason(exc) if isinstance(exc, StreamError) else exc.reason
             redirect = None
-            reason = exc.reason.removeprefix("partner_")
             if reason.startswith("not_root:"):
                 redirect, reason = reason.split(":", 1)[1], "not_root"
             log.warning("gather to root %s failed (%s); solo step, then re-fetch phi", root[:16], reason)
             return C.ExchangeResult(None, 1, [root], C.FAILED, reason, sent, recv), redirect
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
-            reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "partner_error"
+        except (OSError, TimeoutError) as exc:
+            reason = "timeout" if isinstance(exc, TimeoutError) else "partner_error"
             log.warning("gather to root %s failed (%s: %r); solo step, then re-fetch phi", root[:16], reason, exc)
             return C.ExchangeResult(None, 1, [root], C.FAILED, reason, sent, recv), None
         finally:
-            if call is not None and not call.done():
-                call.cancel()
+            if stream is not None:
+                stream.cancel()
+
+    # ------------------------------------------------------------------ the root's side of one member
+    async def serve(self, stream: TensorStream) -> None:
+        """One member's gather stream at the root: read and check its tensors, keep them as a
+        contribution, wait for the mean, send it back with "done" (group size, members).
+        Refuses (``Refused``) a member left out of the mean; raises TensorRejected for bad tensors."""
+        link, pid = self.link, stream.peer.sender
+        st = link.state
+        if st is None or st.mode != "group" or st.closed:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "other_round", "no group round in progress")
+        st.arriving.add(pid)
+        fut = st.sends[pid] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(max(0.0, remaining(st.deadline))):
+                try:
+                    theirs, recv = await link.recv_tensors(stream)
+                    await link.check_bounds(st.tensors, theirs)
+                finally:
+                    st.arriving.discard(pid)  # in transit no more: the root need not wait for it
+                if st.root in (None, link.peer_id) and st.mean is None and not st.closed:
+                    st.contribs[pid] = theirs
+                    st.received += recv
+                st.wake.set()
+                await st.decided.wait()
+                if st.mean is None or pid not in st.members:
+                    why = f"not_root:{st.root}" if st.root not in (None, link.peer_id) else "late"
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, why, f"{why} (round {st.round})")
+                sent = await link.send(stream, st.mean)
+                await link.send_done(stream, {"group_size": str(len(st.members))}, st.members)
+            fut.set_result(sent)
+        except TensorRejected as exc:
+            if not isinstance(exc, StreamRejected):
+                link.count(exc.reason)
+                link.charge(verified_peer(), exc.reason)  # only a verified caller is charged, never a claim
+                log.warning("gather contribution from %s rejected: %s", pid[:16], exc)
+            raise
+        except (PeerError, TimeoutError) as exc:
+            log.warning("gather stream from %s failed: %r", pid[:16], exc)
+        finally:
+            st.arriving.discard(pid)
+            if not fut.done():
+                fut.set_result(0)

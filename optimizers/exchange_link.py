@@ -2,12 +2,13 @@
 
 ``ExchangeLink`` holds who we are (run, peer ID, config hash, tensor specs), the current
 round's state, the match lock and the channel pool, and offers the operations every part of
-the exchange needs: build a header, open a call, read the next frame within the deadline,
-read and check a peer's tensors (codec checks, then the norm/distance bounds of
-``exchange_common.bound_violation``), stream ours (paced by netem), take the ordered mean,
-count a rejection and charge the peer that sent it (a charged peer is neither proposed to nor
-accepted for ``distrust_rounds`` rounds). The pair client (``exchange_pair.py``), the group client (``exchange_group.py``)
-and the servicer (``exchange_server.py``) each hold a link; none of them reaches into another.
+the exchange needs on a tensor stream (``protocol/streams.py``): open one to a peer, send our
+tensors (paced by netem), receive the peer's in spec order (the stream's assembler checks each
+head against the specs before allocating; then finiteness and the norm/distance bounds of
+``exchange_common.bound_violation``), the "done" handshake, the ordered mean, and counting a
+rejection and charging the peer that sent it (a charged peer is neither proposed to nor
+accepted for ``distrust_rounds`` rounds). The pair swap (``exchange_pair.py``), the group
+rounds (``exchange_group.py``) and the servicer (``exchange_server.py``) each hold a link.
 Roster publishing and reading stay in ``exchange.py``.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,11 +24,15 @@ import torch
 from node.averaging import LocalNonFinite, ordered_mean
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
-from protocol.codec import DEFAULT_CHUNK_BYTES, THREAD_BYTES, ChunkView, TensorAssembler, TensorRejected, all_finite
+from protocol.channels import ChannelPool, remaining, task
+from protocol.codec import THREAD_BYTES, TensorRejected, all_finite
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
-from protocol.streams import IDLE_S, ChannelPool, PeerError, StreamCall, next_frame, remaining
+from protocol.stream_errors import PeerError, StreamClosed, StreamError
+from protocol.streams import TensorStream, open_stream
 
 log = logging.getLogger("swarmnode.noloco.exchange")
+
+_NO_MEMBERS = torch.empty(0, dtype=torch.uint8)
 
 
 class ExchangeLink:
@@ -43,10 +48,13 @@ class ExchangeLink:
         self.run_id, self.peer_id, self.cfg_hash, self.grpc_addr = run_id, peer_id, cfg_hash, grpc_addr
         self.netem, self.max_round_skew = netem, int(max_round_skew)
         self.poll_interval_s, self.on_reject = float(poll_interval_s), on_reject
-        self.expected = {n: (d, s) for n, d, s in self.specs}
-        self.cap = max(C.spec_bytes(s) for s in self.specs)
+        # what a peer may send: our specs, and the "done" control tensor (member IDs, 1-D uint8)
+        self.expected: dict[str, tuple[torch.dtype, tuple[int, ...] | None]] = {n: (d, s) for n, d, s in self.specs}
+        self.expected[C.DONE] = (torch.uint8, None)
+        self.cap = max(C.MEMBERS_CAP, *(C.spec_bytes(s) for s in self.specs))
+        self.window = min(1024, len(self.specs) + 2)  # a side sends all its tensors and "done" without waiting
         self.spec_hash = C.spec_hash(self.specs)
-        self.chunk = min(DEFAULT_CHUNK_BYTES, max_message_bytes - 4096)
+        self.max_message_bytes = max_message_bytes
         self.pool = ChannelPool(max_message_bytes)
         self.addrs: dict[str, str] = {}        # peer ID -> gRPC address, from roster reads
         self.lock = asyncio.Lock()             # the match lock (pair mode)
@@ -58,27 +66,69 @@ class ExchangeLink:
         self.distrusted: dict[str, int] = {}   # peer ID -> last round it is refused/skipped
         self.roster = roster                   # async (round state) -> roster view; None: no roster check
 
-    # ------------------------------------------------------------------ frames and calls
-    def hdr(self, wire: bool, st: C.Round | None, stage: str, accepted: bool = True, reason: str = "",
-            mode: str = "pair", **extra):
-        return C.header_frame(wire, run_id=self.run_id, round=st.round if st else (self.last_round or 0),
-                              sender=self.peer_id, cfg_hash=self.cfg_hash, n_tensors=len(self.specs),
-                              mode=mode, accepted=accepted, reason=reason, spec_hash=self.spec_hash,
-                              stage=stage, **extra)
+    # ------------------------------------------------------------------ streams
+    async def open(self, addr: str, pid: str, st: C.Round, mode: str, timeout: float) -> TensorStream:
+        """Open the exchange with ``pid`` at ``addr`` for round ``st`` in ``mode`` ("pair" |
+        "gather"); raises StreamError (``refusal``: the callee's reason) or OSError."""
+        return await open_stream(
+            self.pool.get(addr, pid), run_id=self.run_id, sender=self.peer_id, channel_name=mode,
+            max_tensor_bytes=self.cap, cap_key=C.CAP_KEY, window=self.window,
+            max_message_bytes=self.max_message_bytes,
+            meta=C.hello_meta(st.round, self.cfg_hash, self.spec_hash, len(self.specs)),
+            pace=self.pacer(pid), timeout=timeout, method=C.METHOD, expected=self.expected,
+            on_reject=lambda reason: self.rejected(pid, reason))
 
-    def open_call(self, addr: str, st: C.Round):
-        pid = next((p for p, a in self.addrs.items() if a == addr), None)  # the roster says whose it is
-        method = self.pool.get(addr, pid).stream_stream(C.METHOD, request_serializer=C.serialize,
-                                                   response_deserializer=C.parse_wire)
-        return StreamCall(method, timeout=max(0.05, remaining(st.deadline)))  # signable first frame
+    async def send(self, stream: TensorStream, tensors: Sequence[torch.Tensor]) -> int:
+        """Stream ``tensors`` under the spec names; returns their payload bytes."""
+        n = 0
+        for name, t in zip(self.names, tensors):
+            await self._io(stream, stream.send(name, t))
+            n += t.numel() * t.element_size()
+        return n
 
-    async def next(self, read, deadline: float):
-        """Next frame from ``read()`` within the idle/deadline bound; raises PeerError at EOF."""
-        return await next_frame(read, deadline, IDLE_S)
+    async def recv_tensors(self, stream: TensorStream, check: bool = True) -> tuple[list[torch.Tensor], int]:
+        """The partner's tensors in spec order (checked, finite if ``check``) and their bytes."""
+        got, nbytes = [], 0
+        for name in self.names:
+            r = await self._recv(stream)
+            if r.name != name:
+                raise TensorRejected("malformed", f"got tensor {r.name!r} where {name!r} comes next; tensors "
+                                     "travel in spec order, once each")
+            got.append(r.tensor)
+            nbytes += r.tensor.numel() * r.tensor.element_size()
+        if check:
+            await self.check_finite(got)
+        return got, nbytes
 
-    def encode(self, tensors: list[torch.Tensor], wire: bool, peer: str, digests: asyncio.Task | None):
-        """Our tensors as ExchangeFrames, paced for ``peer``: async iterator of (frame, payload bytes)."""
-        return C.encode_tensors(tensors, self.names, wire, self.pacer(peer), self.chunk, digests)
+    async def send_done(self, stream: TensorStream, meta: Mapping[str, str] | None = None,
+                        members: Sequence[str] = ()) -> None:
+        """End our side: the "done" control tensor (``meta``; payload: ``members``, comma-joined)."""
+        payload = torch.frombuffer(bytearray(",".join(members).encode()), dtype=torch.uint8) if members else _NO_MEMBERS
+        await self._io(stream, stream.send(C.DONE, payload, meta))
+
+    async def recv_done(self, stream: TensorStream) -> tuple[dict[str, str], list[str]]:
+        """The partner's "done": its meta and member IDs."""
+        r = await self._recv(stream)
+        if r.name != C.DONE:
+            raise TensorRejected("malformed", f"got tensor {r.name!r} where the partner's {C.DONE!r} comes next")
+        text = r.tensor.numpy().tobytes().decode("utf-8", "replace")
+        return r.meta, text.split(",") if text else []
+
+    async def _recv(self, stream: TensorStream):
+        return await self._io(stream, stream.recv())
+
+    @staticmethod
+    async def _io(stream: TensorStream, op):
+        """Await a send or recv of ``stream``: a frame we rejected -> StreamRejected, any other
+        end of the stream -> PeerError (the partner's refusal word, timeout or partner_error)."""
+        try:
+            return await op
+        except StreamError as exc:
+            if stream.rejected.is_set():
+                raise StreamRejected(exc.reason, exc.detail.removeprefix(f"[{exc.reason}] ")) from None
+            if isinstance(exc, StreamClosed):
+                raise PeerError("partner_error", "the partner closed the stream early") from None
+            raise PeerError(peer_reason(exc), exc.detail) from None
 
     def pacer(self, peer_id: str):
         if self.netem is None:
@@ -88,35 +138,11 @@ class ExchangeLink:
         return self.netem.pacer(peer_id if named or not addr else addr)
 
     # ------------------------------------------------------------------ tensors
-    async def read_tensors(self, read, deadline: float, check: bool = True) -> tuple[list[torch.Tensor], int]:
-        """The partner's tensors in spec order (decoded, checked, finite if ``check``) and their bytes."""
-        asm = TensorAssembler(self.cap, self.expected, cap_key="noloco tensor specs")
-        got: dict[str, torch.Tensor] = {}
-        nbytes = 0
-        while len(got) < len(self.specs):
-            kind, obj = C.split(await self.next(read, deadline))
-            if kind == "header":
-                raise PeerError(f"partner_{obj.reason or 'refused'}" if not obj.accepted else "partner_error",
-                                f"the partner sent a header instead of tensors ({obj.reason!r})")
-            if kind != "tensor":
-                raise TensorRejected("malformed", "empty ExchangeFrame; the partner speaks another protocol")
-            if isinstance(obj, ChunkView):
-                nbytes += len(obj.data)
-            elif obj.WhichOneof("kind") == "chunk":
-                nbytes += len(obj.chunk.data)
-            out = asm.feed(obj)
-            if out is not None:
-                got[out[0]] = out[1]
-        tensors = [got[n] for n in self.names]
-        if check:
-            await self.check_finite(tensors)
-        return tensors, nbytes
-
     async def check_finite(self, tensors: list[torch.Tensor], whose: str = "the partner's") -> None:
         big = sum(t.numel() * t.element_size() for t in tensors) >= THREAD_BYTES
         ok = await asyncio.to_thread(lambda: all(map(all_finite, tensors))) if big else all(map(all_finite, tensors))
         if not ok:
-            raise TensorRejected("nonfinite", f"{whose} tensors contain NaN or inf; dropped (security.md §7)")
+            raise TensorRejected("nonfinite", f"{whose} tensors contain NaN or inf; dropped")
 
     async def check_bounds(self, ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
         """Raise TensorRejected("norm" | "distance" | "nonfinite") when ``theirs`` is outside the
@@ -131,7 +157,14 @@ class ExchangeLink:
         reason, detail = bad
         if reason == "local_nonfinite":
             raise PeerError("local_nonfinite", detail)
-        raise TensorRejected(reason, f"{detail}; dropped, this round is solo (security.md §7)")
+        raise TensorRejected(reason, f"{detail}; dropped, this round is solo")
+
+    def rejected(self, peer: str | None, reason: str) -> None:
+        """A stream's assembler refused ``peer``'s frame (digest, size, dtype, ...): count it and
+        charge the peer (the stream's ``on_reject``; pass only a peer known to have sent it)."""
+        log.warning("tensors from %s rejected (%s); this round is solo", (peer or "an unverified caller")[:16], reason)
+        self.count(reason)
+        self.charge(peer, reason)
 
     def charge(self, peer: str | None, reason: str) -> None:
         """``peer`` sent input we rejected: skip it as a partner for ``distrust_rounds`` rounds.
@@ -153,7 +186,7 @@ class ExchangeLink:
         if self.roster is None or peer in st.roster_seen:
             return True
         if st.roster_read is None or st.roster_read.done():
-            st.roster_read = asyncio.ensure_future(self.roster(st))
+            st.roster_read = task(self.roster(st))
         try:
             await asyncio.wait_for(asyncio.shield(st.roster_read), C.LOCK_WAIT_S)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a slow or failed read: not seen
@@ -192,5 +225,18 @@ class ExchangeLink:
         await self.pool.close()
 
 
+class StreamRejected(TensorRejected):
+    """The stream's assembler refused the partner's frame: already counted and charged
+    (``ExchangeLink.rejected``); the stream is over."""
+
+
+def peer_reason(exc: StreamError) -> str:
+    """The result reason of a stream the partner ended: its refusal word, else timeout /
+    partner_error."""
+    if exc.refusal:
+        return exc.refusal
+    return "timeout" if exc.reason == "timeout" else "partner_error"
+
+
 Roster = Callable[[C.Round], Any]  # async (round state) -> {peer_id: RosterEntry}; {} on DHT errors
-__all__ = ["ExchangeLink", "Roster"]
+__all__ = ["ExchangeLink", "Roster", "StreamRejected", "peer_reason"]

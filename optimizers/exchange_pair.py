@@ -1,9 +1,9 @@
-"""NoLoCo pair averaging, the caller's side (``OuterExchange.pair_average``; protocol in
-``optimizers/exchange.py``): read the roster, propose to a random higher peer ID under our
-match lock, stream both ways once accepted, take the ordered mean, confirm with "done".
-The callee's side is ``exchange_server.py``; both share one ``ExchangeLink``. The partner's
-tensors pass the link's bounds (``ExchangeLink.check_bounds``) before the mean; a rejection
-charges the partner (skipped as a candidate for ``distrust_rounds`` rounds).
+"""NoLoCo pair averaging (``OuterExchange.pair_average``; protocol in ``optimizers/exchange.py``):
+the proposer reads the roster and opens the exchange with a random higher peer ID under its
+match lock; once accepted, BOTH sides run :func:`swap` on their end of the one tensor stream
+(the callee from ``exchange_server.py``). The partner's tensors pass the link's bounds
+(``ExchangeLink.check_bounds``) before the mean; a rejection charges the partner (skipped as a
+candidate for ``distrust_rounds`` rounds).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import logging
 import random
 import time
 
-import grpc
-
 from optimizers import exchange_common as C
 from optimizers.exchange_common import GRACE_S, HANDSHAKE_S, PUBLISH_WAIT_S, RETRY, ExchangeResult
-from optimizers.exchange_link import ExchangeLink, Roster
+from optimizers.exchange_link import ExchangeLink, Roster, StreamRejected
+from protocol.channels import remaining, task
 from protocol.codec import TensorRejected
-from protocol.streams import PeerError, remaining, task
+from protocol.stream_errors import PeerError, StreamError
+from protocol.streams import TensorStream
 
 log = logging.getLogger("swarmnode.noloco.exchange")
 
@@ -29,6 +29,7 @@ class PairExchange:
 
     def __init__(self, link: ExchangeLink, roster: Roster):
         self.link, self.roster = link, roster
+        self._closing: set[asyncio.Task] = set()  # half-closes of finished streams
 
     async def run(self, st: C.Round, publish: asyncio.Task) -> ExchangeResult:
         link = self.link
@@ -49,11 +50,11 @@ class PairExchange:
                     async with link.lock:
                         if st.matched is not None or st.closed:
                             break
-                        verdict, call = await self._propose(st, pid, roster[pid].grpc_addr)
+                        verdict, stream = await self._propose(st, pid, roster[pid].grpc_addr)
                         if verdict == "accepted":
                             st.matched = pid
                     if verdict == "accepted":
-                        res = await self._stream(st, pid, call)
+                        res = await self._stream(st, pid, stream)
                     elif verdict != "retry":
                         tried.add(pid)
                 if res is None and st.matched is None:
@@ -78,65 +79,59 @@ class PairExchange:
         return res
 
     async def _propose(self, st: C.Round, pid: str, addr: str):
-        """Open Exchange to ``pid`` and wait for its reply -> ("accepted", call) | ("retry"|"tried", None)."""
-        link, call = self.link, None
-        try:
-            call = link.open_call(addr, st)
-            wait = max(0.05, min(HANDSHAKE_S, remaining(st.deadline)))
-            await asyncio.wait_for(call.write(link.hdr(True, st, "open")), wait)
-            kind, hdr = C.split(await link.next(call.read, min(st.deadline, asyncio.get_running_loop().time() + wait)))
-        except (PeerError, grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError) as exc:
-            log.debug("proposal to %s at %s failed: %r", pid[:16], addr, exc)
-            if call is not None:
-                call.cancel()
-            return "tried", None
-        if kind != "header" or hdr.stage != "reply" or not hdr.accepted or hdr.sender != pid:
-            call.cancel()
-            reason = hdr.reason if kind == "header" else "malformed"
-            log.debug("proposal to %s refused: %s", pid[:16], reason)
-            return ("retry" if reason in RETRY else "tried"), None
-        return "accepted", call
-
-    async def _stream(self, st: C.Round, pid: str, call) -> ExchangeResult:
+        """Open the exchange with ``pid`` -> ("accepted", stream) | ("retry"|"tried", None)."""
         link = self.link
-        sent, recv, ok_to_ack = 0, 0, asyncio.get_running_loop().create_future()
-
-        async def writer():
-            nonlocal sent
-            async for frame, n in link.encode(st.tensors, True, pid, st.digests):
-                await call.write(frame)
-                sent += n
-            if await ok_to_ack:
-                await call.write(link.hdr(True, st, "done"))
-                await call.done_writing()
-
-        wtask, ok, t0 = task(writer()), False, time.perf_counter()
         try:
-            async with asyncio.timeout(max(0.0, remaining(st.deadline))):
-                theirs, recv = await link.read_tensors(call.read, st.deadline, check=False)
-                await link.check_bounds(st.tensors, theirs)  # symmetric: the partner's verdict is the same
-                mean = await link.mean([(link.peer_id, st.tensors), (pid, theirs)])
-                ok_to_ack.set_result(True)
-                kind, hdr = C.split(await link.next(call.read, st.deadline))
-                await wtask
-            if kind != "header" or hdr.stage != "done" or not hdr.accepted:
-                raise PeerError("partner_refused", f"partner's done frame: {hdr}")
-            ok = True
-            return ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
-        except TensorRejected as exc:
+            stream = await link.open(addr, pid, st, "pair", max(0.05, min(HANDSHAKE_S, remaining(st.deadline))))
+        except (StreamError, OSError) as exc:
+            reason = getattr(exc, "refusal", "") or "error"
+            log.debug("proposal to %s at %s refused or failed: %s %r", pid[:16], addr, reason, exc)
+            return ("retry" if reason in RETRY else "tried"), None
+        if stream.peer.sender != pid:
+            stream.cancel()
+            log.debug("proposal to %s answered by %s", pid[:16], stream.peer.sender[:16])
+            return "tried", None
+        return "accepted", stream
+
+    async def _stream(self, st: C.Round, pid: str, stream: TensorStream) -> ExchangeResult:
+        res, bad = await swap(self.link, stream, st, pid, pid)
+        if bad is None and res.outcome == C.OK:
+            closing = task(stream.close())  # half-close; the callee ends the call once it read our "done"
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        else:
+            stream.cancel()
+        return res
+
+
+async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
+               charge_to: str | None) -> tuple[ExchangeResult, TensorRejected | None]:
+    """Both sides of a matched pair run this on their end of the stream: send our tensors while
+    reading the partner's, check them against ours (the bounds are symmetric: the partner
+    reaches the same verdict), take the ordered mean, send "done", and count the round as
+    averaged only once the partner's "done" arrives. Returns the result and, when we rejected
+    the partner's tensors, why (counted, and ``charge_to`` charged: pass only a peer known to
+    have sent them)."""
+    sent, recv, t0 = 0, 0, time.perf_counter()
+    sender = task(link.send(stream, st.tensors))
+    try:
+        async with asyncio.timeout(max(0.0, remaining(st.deadline))):
+            theirs, recv = await link.recv_tensors(stream, check=False)
+            sent = await sender  # all of ours goes out before any verdict: the partner judges our tensors itself
+            await link.check_bounds(st.tensors, theirs)
+            mean = await link.mean([(link.peer_id, st.tensors), (pid, theirs)])
+            await link.send_done(stream)
+            await link.recv_done(stream)
+        return ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0), None
+    except TensorRejected as exc:
+        if not isinstance(exc, StreamRejected):  # the stream's own refusals are counted where they happen
             link.count(exc.reason)
-            link.charge(pid, exc.reason)
+            link.charge(charge_to, exc.reason)
             log.warning("tensors from %s rejected: %s; this round is solo", pid[:16], exc)
-            return ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv)
-        except (PeerError, grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
-            reason = exc.reason if isinstance(exc, PeerError) else (
-                "timeout" if isinstance(exc, asyncio.TimeoutError) else "partner_error")
-            log.warning("pair exchange with %s failed (%s: %s); this round is solo", pid[:16], reason, exc)
-            return ExchangeResult(None, 1, [pid], C.FAILED, reason, sent, recv)
-        finally:
-            if not ok_to_ack.done():
-                ok_to_ack.set_result(False)
-            if not wtask.done():
-                wtask.cancel()
-            if not ok and not call.done():
-                call.cancel()
+        return ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv), exc
+    except (PeerError, TimeoutError) as exc:
+        reason = exc.reason if isinstance(exc, PeerError) else "timeout"
+        log.warning("pair exchange with %s failed (%s: %s); this round is solo", pid[:16], reason, exc)
+        return ExchangeResult(None, 1, [pid], C.FAILED, reason, sent, recv), None
+    finally:
+        sender.cancel()

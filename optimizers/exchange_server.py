@@ -1,49 +1,73 @@
-"""The callee's side of the outer exchange: the ``swarmnode.NoLoCo/Exchange`` servicer.
+"""The callee's side of the outer exchange: ``/swarmnode.NoLoCo/Exchange``, a tensor stream.
 
-Checks every "open" header (run, cfg_hash, sender form, mode, spec hash, round skew, order),
-that the signed caller is the header's sender, and that it has a live roster entry for the
-round (``ExchangeLink.in_roster``: a peer that never announced itself cannot pair), then serves a pair (claim the match under the link's lock, stream both ways, mean, "done") or
-a gather contribution (the root collects it, then streams the group mean back once
-``exchange_group.GroupExchange`` has computed it). Refusals answer a "reply"(accepted=false)
-header then a gRPC status; see ``optimizers/exchange.py`` for the protocol and ops.md §10 for
-the codes. Shares one ``ExchangeLink`` with the caller side; holds no state of its own.
+``NoLoCoServicer`` is a ``protocol.streams.TensorStreamService`` under the exchange's own method
+(its calls keep their own per-service limits and health name) with one ``accept`` and two
+channels. ``accept`` checks every caller's hello (run, cfg_hash, sender form, mode, spec hash,
+round skew, order), that the signed caller is the hello's sender, and that it has a live
+roster entry for the round (``ExchangeLink.in_roster``: a peer that never announced itself
+cannot pair); for a pair it then claims the match under the link's lock. A refusal is the
+call's gRPC status with ``"reason: detail"`` (bad or misconfigured peers' reasons counted).
+The "pair" channel runs ``exchange_pair.swap`` (the same code as the caller) and hands the
+result to the waiting round; the "gather" channel is ``exchange_group.GroupExchange.serve``.
+See ``optimizers/exchange.py`` for the protocol. Holds no state of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 
 from optimizers import exchange_common as C
-from optimizers.exchange_common import COUNTED, LOCK_WAIT_S, SERVICE
+from optimizers.exchange_common import COUNTED, LOCK_WAIT_S
+from optimizers.exchange_group import GroupExchange
 from optimizers.exchange_link import ExchangeLink
-from protocol import noloco_pb2_grpc
-from protocol.codec import TensorRejected
-from protocol.streams import OPEN_WAIT_S, PeerError, Refused, remaining, task
+from optimizers.exchange_pair import swap
+from protocol.channels import verified_peer
+from protocol.stream_errors import Refused
+from protocol.streams import TensorStream, TensorStreamService, add_tensor_stream_to_server
 from security.keys import public_key_of
-from security.peer_auth import current_peer
 
 __all__ = ["NoLoCoServicer", "add_exchange_to_server"]
 
 log = logging.getLogger("swarmnode.noloco.exchange")
 
 
-class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
-    """gRPC servicer; registers with the generated ``add_NoLoCoServicer_to_server`` (protobuf
-    frames) or, faster, ``add_exchange_to_server`` (hand-serialized chunks)."""
+class NoLoCoServicer:
+    """The exchange's stream service; register it with :func:`add_exchange_to_server`."""
 
-    def __init__(self, link: ExchangeLink, wire: bool = False):
-        self.link, self.wire = link, wire
+    def __init__(self, link: ExchangeLink, group: GroupExchange):
+        self.link = link
+        self.service = TensorStreamService(
+            run_id=link.run_id, peer_id=link.peer_id, max_tensor_bytes=link.cap, cap_key=C.CAP_KEY,
+            window=link.window, max_message_bytes=link.max_message_bytes, accept=self.accept, pace=link.pacer,
+            on_reject=lambda reason: link.rejected(verified_peer(), reason), expected=link.expected)
+        self.service.register("pair", self._serve_pair)
+        self.service.register("gather", group.serve)
 
-    async def Exchange(self, request_iterator, context):  # noqa: N802 - gRPC API
-        async for frame in self.serve(request_iterator, context, self.wire):
-            yield frame
+    async def accept(self, hello) -> None:
+        """Admit a caller's hello or raise Refused (counted when it marks a bad peer)."""
+        L = self.link
+        try:
+            h, st = C.opening(hello), L.state
+            self.check_open(h, st)
+            verified = verified_peer()  # the signed caller, not the hello, says who it is
+            if verified is not None and verified != h.sender:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "sender", f"hello names ...{h.sender[-8:]} but "
+                              f"the call is signed by ...{verified[-8:]}")
+            if not await L.in_roster(st, h.sender):  # partners come from the round's live roster
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "not_in_roster",
+                              f"...{h.sender[-8:]} has no live roster entry for round {h.round}; publish one first")
+            if h.mode == "pair":
+                await self._claim(st, h.sender)
+        except Refused as r:
+            if r.reason in COUNTED:
+                L.count(r.reason)
+            raise
 
-    def check_open(self, h, st: C.Round | None) -> None:
-        """Raise Refused for a header we must not serve (see ops.md §10 for the codes)."""
+    def check_open(self, h: C.Opening, st: C.Round | None) -> None:
+        """Raise Refused for a hello we must not serve."""
         L = self.link
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if h.run_id != L.run_id:
@@ -72,7 +96,7 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
             raise Refused(pre, "other_round", f"not waiting for round {h.round}; current round {mine}")
         if (h.mode == "pair") != (st.mode == "pair"):
             raise Refused(pre, "mode_mismatch", f"this worker is in {st.mode} mode for round {mine}")
-        who = current_peer() or h.sender
+        who = verified_peer() or h.sender
         if L.is_distrusted(who, h.round):
             raise Refused(pre, "distrusted", f"{who[:16]}... sent rejected tensors recently; not pairing with it")
         if h.mode == "pair" and not h.sender < L.peer_id:
@@ -84,37 +108,6 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
                 raise Refused(pre, "late", f"the mean of round {mine} is already computed")
             if h.sender in st.arriving or h.sender in st.contribs:
                 raise Refused(bad, "duplicate", f"{h.sender[:16]}... already contributes to round {mine}")
-
-    async def serve(self, requests, context, wire: bool):
-        """The Exchange handler (an async generator of response frames)."""
-        L, it = self.link, requests.__aiter__()
-        try:
-            kind, h = C.split(await L.next(it.__anext__, asyncio.get_running_loop().time() + OPEN_WAIT_S))
-            st = L.state
-            if kind != "header" or h.stage != "open":
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "first frame must be an 'open' header")
-            self.check_open(h, st)
-            verified = current_peer()  # security.md §5: the signed caller, not the header, says who it is
-            if verified is not None and verified != h.sender:
-                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "sender", f"header names ...{h.sender[-8:]} but "
-                              f"the call is signed by ...{verified[-8:]}")
-            if not await L.in_roster(st, h.sender):  # issue 7: partners come from the round's live roster
-                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "not_in_roster",
-                              f"...{h.sender[-8:]} has no live roster entry for round {h.round}; publish one first")
-            if h.mode == "pair":
-                await self._claim(st, h.sender)
-        except PeerError:
-            return
-        except Refused as r:
-            if r.reason in COUNTED:
-                L.count(r.reason)
-            yield L.hdr(wire, L.state, "reply", False, r.reason)
-            await context.abort(r.code, f"{r.reason}: {r.detail}")
-            return
-        gen = self._serve_pair(st, h.sender, it, context, wire) if h.mode == "pair" else \
-            self._serve_gather(st, h.sender, it, context, wire)
-        async for frame in gen:
-            yield frame
 
     async def _claim(self, st: C.Round, sender: str) -> None:
         L = self.link
@@ -133,93 +126,23 @@ class NoLoCoServicer(noloco_pb2_grpc.NoLoCoServicer):
         finally:
             L.lock.release()
 
-    async def _serve_pair(self, st: C.Round, pid: str, it, context, wire: bool):
-        L = self.link
-        sent, recv, res, abort, t0 = 0, 0, None, None, time.perf_counter()
-        reader = task(L.read_tensors(it.__anext__, st.deadline, check=False))
+    async def _serve_pair(self, stream: TensorStream) -> None:
+        """The callee's end of a pair: ``swap``, then hand the result to the waiting round."""
+        st, pid, res, bad = self.link.state, stream.peer.sender, None, None
+        if st is None or st.matched != pid:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "other_round", "this pair's round is over")
         try:
-            yield L.hdr(wire, st, "reply", True)
-            async for frame, n in L.encode(st.tensors, wire, pid, st.digests):
-                if reader.done() and reader.exception() is not None:
-                    break
-                yield frame
-                sent += n
-            async with asyncio.timeout(max(0.0, remaining(st.deadline))):
-                theirs, recv = await reader
-                await L.check_bounds(st.tensors, theirs)  # same verdict as the caller's (symmetric)
-                mean = await L.mean([(L.peer_id, st.tensors), (pid, theirs)])
-            yield L.hdr(wire, st, "done")
-            kind, hdr = C.split(await L.next(it.__anext__, st.deadline))
-            if kind != "header" or hdr.stage != "done" or not hdr.accepted:
-                raise PeerError("partner_refused", "partner did not confirm")
-            res = C.ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0)
-        except TensorRejected as exc:
-            L.count(exc.reason)
-            L.charge(current_peer(), exc.reason)  # only a verified caller is charged, never a claim
-            log.warning("tensors from %s rejected: %s; this round is solo", pid[:16], exc)
-            res = C.ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv)
-            abort = (grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc.message}")
-        except (PeerError, asyncio.TimeoutError) as exc:
-            reason = exc.reason if isinstance(exc, PeerError) else "timeout"
-            log.warning("pair exchange with %s failed (%s); this round is solo", pid[:16], reason)
-            res = C.ExchangeResult(None, 1, [pid], C.FAILED, reason, sent, recv)
+            res, bad = await swap(self.link, stream, st, pid, verified_peer())
         finally:
-            reader.cancel()
-            if res is None:  # cancelled by gRPC (the caller went away) or closed mid-yield
-                res = C.ExchangeResult(None, 1, [pid], C.FAILED, "partner_error", sent, recv)
+            if res is None:  # cancelled: the stream refused a frame, or the caller went away
+                why = stream.error.reason if stream.rejected.is_set() and stream.error else "partner_error"
+                res = C.ExchangeResult(None, 1, [pid], C.FAILED, why)
             if not st.incoming.done():
                 st.incoming.set_result(res)
-        if abort is not None:
-            await context.abort(*abort)
-
-    async def _serve_gather(self, st: C.Round, pid: str, it, context, wire: bool):
-        L = self.link
-        me, pre = L.peer_id, grpc.StatusCode.FAILED_PRECONDITION
-        st.arriving.add(pid)
-        fut = st.sends[pid] = asyncio.get_running_loop().create_future()
-        abort = None
-        try:
-            yield L.hdr(wire, st, "reply", True, mode="gather")
-            try:
-                theirs, recv = await L.read_tensors(it.__anext__, st.deadline)
-                await L.check_bounds(st.tensors, theirs)
-            finally:
-                st.arriving.discard(pid)  # in transit no more: the root need not wait for it
-            if st.root in (None, me) and st.mean is None and not st.closed:
-                st.contribs[pid] = theirs
-                st.received += recv
-            st.wake.set()
-            await asyncio.wait_for(st.decided.wait(), max(0.0, remaining(st.deadline)))
-            if st.mean is None or pid not in st.members:
-                why = f"not_root:{st.root}" if st.root not in (None, me) else "late"
-                yield L.hdr(wire, st, "done", False, why, mode="gather")
-                abort = (pre, f"{why} (round {st.round})")
-            else:
-                sent = 0
-                async for frame, n in L.encode(st.mean, wire, pid, st.mean_digests):
-                    yield frame
-                    sent += n
-                yield L.hdr(wire, st, "done", True, mode="gather", group_size=len(st.members),
-                            members=st.members)
-                fut.set_result(sent)
-        except TensorRejected as exc:
-            L.count(exc.reason)
-            L.charge(current_peer(), exc.reason)
-            log.warning("gather contribution from %s rejected: %s", pid[:16], exc)
-            abort = (grpc.StatusCode.INVALID_ARGUMENT, f"{exc.reason}: {exc.message}")
-        except (PeerError, asyncio.TimeoutError) as exc:
-            log.warning("gather stream from %s failed: %r", pid[:16], exc)
-        finally:
-            st.arriving.discard(pid)
-            if not fut.done():
-                fut.set_result(0)
-        if abort is not None:
-            await context.abort(*abort)
+        if bad is not None:
+            raise bad  # the service answers INVALID_ARGUMENT "[reason] message"
 
 
 def add_exchange_to_server(servicer: NoLoCoServicer, server: grpc.aio.Server) -> None:
-    """Register ``swarmnode.NoLoCo/Exchange`` with the zero-copy frame (de)serializers."""
-    fast = NoLoCoServicer(servicer.link, wire=True)
-    handler = grpc.stream_stream_rpc_method_handler(fast.Exchange, request_deserializer=C.parse_wire,
-                                                    response_serializer=C.serialize)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Exchange": handler}),))
+    """Register ``/swarmnode.NoLoCo/Exchange`` (tensor stream frames, passed as bytes)."""
+    add_tensor_stream_to_server(servicer.service, server, C.METHOD)

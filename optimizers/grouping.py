@@ -1,7 +1,7 @@
 """Seeded NoLoCo grouping: the official permutation rule, the remainder policy, roster hashes.
 
 Owns the pure function from (roster, round, seed, H, k) to a partition into groups, computed
-identically by every worker (noloco.md §2.4, §3.5). Does not own the roster itself (agreed
+identically by every worker (docs/noloco.md, 'Pairing'). Does not own the roster itself (agreed
 through the DHT by the role) nor what happens when a partner fails to show up (the role takes the
 solo step).
 
@@ -94,7 +94,7 @@ def _sorted_roster(peer_ids: Sequence[str]) -> list[str]:
 
 def groups_for_roster(peer_ids: Sequence[str], round: int, seed: int, H: int,
                       k: int) -> list[list[str]]:
-    """Partition of the roster for outer round `round` (noloco.md §3.5).
+    """Partition of the roster for outer round `round` (docs/noloco.md, 'Pairing').
 
     IDs are sorted first, so every worker that read the same roster (any order) gets the same
     groups. perm = default_rng(seed + round*H + 1).permutation(W); grouping as in `partition`.

@@ -1,6 +1,6 @@
 """NoLoCo outer optimizer: slow weights `phi`, outer momentum `m`, one outer step per round.
 
-Owns the update of noloco.md §2.3 on lists of tensors, in fp32. Does not own the inner loop,
+Owns the update of docs/noloco.md, 'Outer step', on lists of tensors, in fp32. Does not own the inner loop,
 the grouping (optimizers/grouping.py) or the exchange: the caller computes the unweighted group
 means `theta_bar` (and `phi_bar` when consensus is untied) and passes them in; this module never
 sees a peer or a socket.
@@ -31,35 +31,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from optimizers.diloco import DiLoCoOuter
+from optimizers.outer_state import check_like, copy_into, fp32_copy, restore_phi_m
+
 __all__ = ["NoLoCoOuter", "copy_into", "make_outer", "replica_spread"]
 
 Consensus = Literal["tied"] | float
 
 
-def _fp32_copy(tensors: Sequence[Tensor]) -> list[Tensor]:
-    return [t.detach().to(dtype=torch.float32, copy=True) for t in tensors]
-
-
-def _check_like(name: str, tensors: Sequence[Tensor], ref: Sequence[Tensor]) -> None:
-    if len(tensors) != len(ref):
-        raise ValueError(f"{name} has {len(tensors)} tensors, expected {len(ref)} (one per "
-                         "parameter, in the order the outer optimizer was built with)")
-    for i, (t, r) in enumerate(zip(tensors, ref)):
-        if t.shape != r.shape:
-            raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)}, expected {tuple(r.shape)}")
-
-
-@torch.no_grad()
-def copy_into(params: Sequence[Tensor], values: Sequence[Tensor]) -> None:
-    """Copy `values` (e.g. the new phi) into model parameters in place, casting to their dtype."""
-    _check_like("values", values, params)
-    for p, v in zip(params, values):
-        p.copy_(v)
-
-
 @torch.no_grad()
 def replica_spread(replicas: Sequence[Sequence[Tensor]]) -> float:
-    """sqrt(sum_w ||x_w - mean(x)||^2 / (P*W)) over W replicas of P parameters (noloco.md §5.1)."""
+    """sqrt(sum_w ||x_w - mean(x)||^2 / (P*W)) over W replicas of P parameters (the spread benchmarks/noloco_convergence.py reports)."""
     W = len(replicas)
     if W == 0:
         return 0.0
@@ -97,7 +79,7 @@ class NoLoCoOuter:
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.consensus: Consensus = consensus if consensus == "tied" else float(consensus)
-        self.phi: list[Tensor] = _fp32_copy(params)
+        self.phi: list[Tensor] = fp32_copy(params)
         self.m: list[Tensor] = [torch.zeros_like(p) for p in self.phi]
 
     @classmethod
@@ -122,8 +104,8 @@ class NoLoCoOuter:
 
         Never contains `m`. The caller averages them element-wise over the group (unweighted)
         and hands the result to `split_means`."""
-        _check_like("theta", theta, self.phi)
-        out = _fp32_copy(theta)
+        check_like("theta", theta, self.phi)
+        out = fp32_copy(theta)
         if not self.tied:
             out += [p.clone() for p in self.phi]
         return out
@@ -153,7 +135,7 @@ class NoLoCoOuter:
                             "(1 for a solo step)")
         if n < 1:
             raise ValueError(f"group size n={n} must be >= 1")
-        _check_like("theta", theta, self.phi)
+        check_like("theta", theta, self.phi)
         alpha, beta, gamma = self.outer_momentum, self.outer_lr, self.gamma
         if n == 1:
             for phi, m, th in zip(self.phi, self.m, theta):
@@ -163,7 +145,7 @@ class NoLoCoOuter:
             return self.phi
         if theta_bar is None:
             raise ValueError("theta_bar is required for a group step (n >= 2)")
-        _check_like("theta_bar", theta_bar, self.phi)
+        check_like("theta_bar", theta_bar, self.phi)
         if self.tied:
             for phi, m, tb in zip(self.phi, self.m, theta_bar):
                 direction = tb.to(torch.float32) - phi               # mean_G(theta) - phi
@@ -174,7 +156,7 @@ class NoLoCoOuter:
             raise ValueError(
                 "phi_bar is required with an untied consensus (gamma != beta): exchange "
                 "exchange_tensors(theta), which includes phi, and pass split_means(...)[1]")
-        _check_like("phi_bar", phi_bar, self.phi)
+        check_like("phi_bar", phi_bar, self.phi)
         for phi, m, tb, pb in zip(self.phi, self.m, theta_bar, phi_bar):
             tb32, pb32 = tb.to(torch.float32), pb.to(torch.float32)
             direction = tb32 - pb32                                  # mean_G(theta - phi)
@@ -198,25 +180,8 @@ class NoLoCoOuter:
         restore_phi_m(self, state)
 
 
-def make_outer(params: Sequence[Tensor], cfg: Any):
+def make_outer(params: Sequence[Tensor], cfg: Any) -> NoLoCoOuter | DiLoCoOuter:
     """`NoLoCoOuter` or `DiLoCoOuter` for a `NoLoCoConfig`, built from the initial parameters."""
     if cfg.outer == "noloco":
         return NoLoCoOuter.from_config(params, cfg)
-    from optimizers.diloco import DiLoCoOuter      # diloco imports this module's helpers
     return DiLoCoOuter.from_config(params, cfg)
-
-
-@torch.no_grad()
-def restore_phi_m(outer: Any, state: dict[str, Any]) -> None:
-    """Load fp32 copies of ``state``'s phi and m into an outer optimizer (NoLoCo or DiLoCo) after
-    checking that the stored coefficients are this run's."""
-    if state.get("config") != outer.config_dict():
-        raise ValueError(
-            f"checkpoint outer config {state.get('config')} differs from this run's "
-            f"{outer.config_dict()}; resume with the run's original outer settings")
-    _check_like("state['phi']", state["phi"], outer.phi)
-    _check_like("state['m']", state["m"], outer.m)
-    outer.phi = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
-                 for t, p in zip(state["phi"], outer.phi)]
-    outer.m = [t.detach().to(dtype=torch.float32, device=p.device, copy=True)
-               for t, p in zip(state["m"], outer.m)]

@@ -22,7 +22,7 @@ DEFAULT_NODES = 4
 def node_settings(steps: int) -> list[str]:
     """``--set`` overrides every worker gets (the user's own ``--set`` come after and win)."""
     # one torch thread per worker: several workers share this machine's cores
-    return ["noloco.torch_threads=1", f"noloco.exit_after_steps={steps}"]
+    return ["noloco.torch_threads=1", f"noloco.exit_after={steps}"]
 
 
 FINISHED_EVENT = "training_finished"

@@ -1,14 +1,19 @@
-"""Prometheus series of the ``noloco`` role's outer loop (names shared by NoLoCo and DiLoCo; noloco.md §3.8).
+"""Prometheus series of the ``noloco`` role's outer loop (names shared by NoLoCo and DiLoCo; docs/noloco.md, 'Metrics').
 
 Only the outer-step series live here; the series every training role shares (train loss,
 tokens, step time, eval loss, state downloads, checkpoints) are in ``node/metrics.py``.
 Declared once against the node's isolated registry. Set from the role's loop and the compute
-thread (prometheus-client is thread-safe); nothing here blocks training.
+thread (prometheus-client is thread-safe); nothing here blocks training. ``Tally`` keeps the
+per-round counts these series are computed from.
 """
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from node.metrics import REGISTRY
+from node.metrics import REGISTRY, TRANSFER_BYTES
 
 OUTER_ROUND = Gauge("swarmnode_outer_round", "Current outer round of this worker.", registry=REGISTRY)
 OUTER_ROUNDS = Counter("swarmnode_outer_rounds_total", "Outer rounds by outcome (ok / solo / failed).",
@@ -48,3 +53,59 @@ UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer 
 # round, and the dashboards and alerts (deploy/) show 0 instead of "no data".
 for _outcome in ("ok", "solo", "failed"):
     OUTER_ROUNDS.labels(outcome=_outcome)
+
+
+@dataclass
+class Tally:
+    """The worker's running account of its rounds: its pace (what the waiting policy scales
+    with), blocked time and partners behind the series above, and the final report's counts."""
+
+    eval_start: float | None = None
+    """Evaluation loss when training started (the final report's start figure)."""
+    step_s: float | None = None
+    """Measured seconds per inner step (moving average); None before the first round."""
+    eval_s: float = 0.0
+    """Duration of the last evaluation (predicts when the worker next exchanges)."""
+    t0: float | None = None
+    """Monotonic time training started (the blocked fraction's denominator runs from here)."""
+    blocked_s: float = 0.0
+    rounds_ok: int = 0
+    """Outer steps taken with a partner."""
+    outer_steps: int = 0
+    """Outer steps taken here (the round label can jump: catch_up)."""
+    partners: deque = field(default_factory=lambda: deque(maxlen=21))
+
+    def pace(self, seconds: float, steps: int) -> None:
+        """``steps`` inner steps took ``seconds``: update the moving average."""
+        per_step = seconds / steps
+        self.step_s = per_step if self.step_s is None else 0.5 * self.step_s + 0.5 * per_step
+
+    def train_s(self) -> float:
+        return 0.0 if self.t0 is None else time.monotonic() - self.t0
+
+    def record(self, *, rnd: int, n: int, outcome: str, reason: str | None, partners: list[str], blocked_s: float,
+               sent_bytes: int, received_bytes: int, norm: float, spread: float | None) -> None:
+        """One kept outer step (round label now ``rnd``) into the counts and the series."""
+        if spread is not None:
+            REPLICA_SPREAD.set(spread)
+        OUTER_ROUNDS.labels(outcome=outcome if n > 1 else ("solo" if outcome == "ok" else outcome)).inc()
+        if n == 1:
+            SOLO_ROUNDS.labels(reason=reason or "no_partner").inc()
+        GROUP_SIZE.observe(n)
+        self.rounds_ok += n > 1
+        self.outer_steps += 1
+        BLOCKED_SECONDS.observe(blocked_s)
+        self.blocked_s += blocked_s
+        TRAINING_SECONDS.set(self.train_s())
+        BLOCKED_FRACTION.set(self.blocked_s / max(1e-6, self.train_s()))
+        SENT_BYTES.inc(sent_bytes)
+        RECEIVED_BYTES.inc(received_bytes)
+        TRANSFER_BYTES.labels(direction="sent", kind="outer").inc(sent_bytes)
+        TRANSFER_BYTES.labels(direction="received", kind="outer").inc(received_bytes)
+        UPDATE_NORM.set(norm)
+        OUTER_ROUND.set(rnd)
+        self.partners.append(tuple(sorted(partners)))
+        pairs = list(self.partners)
+        if len(pairs) > 1:
+            repeats = sum(a == b and a != () for a, b in zip(pairs, pairs[1:]))
+            PARTNER_REPEAT.set(repeats / (len(pairs) - 1))

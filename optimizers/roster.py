@@ -1,7 +1,7 @@
 """The NoLoCo/DiLoCo round roster: who waits for an outer round, and where to reach them.
 
 Owns NoLoCo's entry type only: the roster is a ``node.rendezvous.Rendezvous`` under
-``<run>/noloco/roster/<round>`` (noloco.md §3.6), one signed entry per worker (subkey = its
+``<run>/noloco/roster/<round>``, one signed entry per worker (subkey = its
 peer ID; the role lists ``ROSTER`` in its ``rendezvous`` so the node's validator accepts it).
 Key layout, publishing and reading are the rendezvous'; pairing is ``optimizers/exchange.py``'s.
 

@@ -1,14 +1,15 @@
 """NoLoCo's waiting policy (issue 8): how long a worker waits for a partner, and when to stop.
 
-Pure rules, no I/O; the role (``optimizers/noloco_role.py``) measures its pace, reads the node
-cards and ends the wait through ``OuterExchange.stop_waiting``.
+Pure rules on plain data, no I/O: the role (``optimizers/noloco_role.py``) measures its pace,
+reads the node cards into :class:`PeerPlan` values and ends the wait through
+``OuterExchange.stop_waiting``.
 
     wait_bound(step_s, cfg) -> seconds     # wait_fraction x own inner phase, >= min_wait_s, <= round_timeout
-    someone_can_meet(ready_peers, rnd, by) -> bool   # False: do not wait (solo step at once)
-    steps_to_wait(ready_peers, rnd, now, bound, step_s, max_steps, idle_s) -> int   # compute while waiting
+    someone_can_meet(peer_plans, rnd, by) -> bool   # False: do not wait (solo step at once)
+    steps_to_wait(peer_plans, rnd, now, bound, step_s, max_steps, idle_s) -> int   # compute while waiting
 
 A peer can still meet us at round label ``rnd`` when it is READY (the caller filters), not
-finishing (its card's ``finishing`` detail: it took its last round, ``exit_after_steps``), its
+finishing (its card's ``finishing`` detail: it took its last round, ``exit_after``), its
 card's round is not past ``rnd`` (a worker behind catches up to the frontier label; one whose
 card is past ``rnd`` has done that round), and it reaches its next exchange by ``by`` (its
 card's ``next_exchange_at``: wall-clock time it expects to start its next exchange, from its
@@ -22,18 +23,39 @@ some pairs into solo rounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from node.card import CardView, card_int
 from optimizers.config import NoLoCoConfig
 
-__all__ = ["FINISHING", "NEXT_EXCHANGE_AT", "wait_bound", "someone_can_meet", "steps_to_wait"]
+__all__ = ["FINISHING", "NEXT_EXCHANGE_AT", "PeerPlan", "wait_bound", "someone_can_meet", "steps_to_wait"]
 
 FINISHING = "finishing"
 """Node-card detail a worker sets (True) with its last round: nobody waits for it afterwards."""
 
 NEXT_EXCHANGE_AT = "next_exchange_at"
 """Node-card detail: the wall-clock time (unix seconds) the worker expects its next exchange."""
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """What the waiting rules read of one READY peer (same role and config, not us)."""
+
+    round: int | None
+    """Its card's round label; None when it has none yet (or the card's value is junk)."""
+    finishing: bool = False
+    """It took its last round (``FINISHING``): nobody waits for it."""
+    next_exchange_at: float | None = None
+    """Unix time it expects its next exchange (``NEXT_EXCHANGE_AT``); None when unknown."""
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any], round: int | None) -> "PeerPlan":
+        """From a card's role details and its round label, already range-checked by the reader:
+        anything but ``True`` is not finishing, anything but a finite number is no time."""
+        at = details.get(NEXT_EXCHANGE_AT)
+        finite = isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)
+        return cls(round, details.get(FINISHING) is True, float(at) if finite else None)
 
 
 def wait_bound(step_s: float | None, cfg: NoLoCoConfig) -> float:
@@ -44,28 +66,19 @@ def wait_bound(step_s: float | None, cfg: NoLoCoConfig) -> float:
     return min(cfg.round_timeout, max(cfg.min_wait_s, cfg.wait_fraction * phase))
 
 
-def someone_can_meet(ready_peers: Iterable[CardView], rnd: int, by: float | None = None) -> bool:
-    """True if one of these READY peers (same role and config, not us) may still reach label
-    ``rnd``, by wall-clock time ``by`` when given: not finishing, not past the label, and not
-    expected later than ``by`` (a card without a round or a time counts: it is about to start)."""
-    for v in ready_peers:
-        if v.card.details.get(FINISHING) is True:
+def someone_can_meet(ready_peers: Iterable[PeerPlan], rnd: int, by: float | None = None) -> bool:
+    """True if one of these READY peers may still reach label ``rnd``, by wall-clock time ``by``
+    when given: not finishing, not past the label, and not expected later than ``by`` (a peer
+    without a round or a time counts: it is about to start)."""
+    for p in ready_peers:
+        if p.finishing or (p.round is not None and p.round > rnd):
             continue
-        theirs = card_int(v, "round")
-        if theirs is not None and theirs > rnd:
-            continue
-        expected = _expected_at(v)
-        if by is None or expected is None or expected <= by:
+        if by is None or p.next_exchange_at is None or p.next_exchange_at <= by:
             return True
     return False
 
 
-def _expected_at(v: CardView) -> float | None:
-    at = v.card.details.get(NEXT_EXCHANGE_AT)
-    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) else None
-
-
-def steps_to_wait(ready_peers: Sequence[CardView], rnd: int, now: float, bound: float, step_s: float | None,
+def steps_to_wait(ready_peers: Sequence[PeerPlan], rnd: int, now: float, bound: float, step_s: float | None,
                   max_steps: int, idle_s: float | None = None) -> int:
     """Keep computing while waiting: 0 when a peer can meet us at ``rnd`` within the idle window
     (pair now; the window is ``min(bound, idle_s)``, ``bound`` when ``idle_s`` is None) or none is
@@ -78,8 +91,8 @@ def steps_to_wait(ready_peers: Sequence[CardView], rnd: int, now: float, bound: 
     window = bound if idle_s is None else min(bound, max(0.0, idle_s))
     if not step_s or step_s <= 0 or max_steps <= 0 or someone_can_meet(ready_peers, rnd, by=now + window):
         return 0
-    due = [at for v in ready_peers if v.card.details.get(FINISHING) is not True
-           and (at := _expected_at(v)) is not None and at > now]
+    due = [p.next_exchange_at for p in ready_peers
+           if not p.finishing and p.next_exchange_at is not None and p.next_exchange_at > now]
     if not due:
         return 0
     steps = max(1, math.ceil((min(due) - now) / step_s))

@@ -16,8 +16,14 @@ Pure, network-free modules (stdlib only; no grpc, hivemind, node or torch code):
 
 The stage role (torch): `stage_msgs` (messages, tensor checks, step records), `stage_exec`
 (the transport-free executor), `stage_eval` (in-order validation), `stage_timing` (a node's
-forward time), `stage_transport` (open tensor streams, netem, hop timing), `stage_role` (glue),
-`coordinator` (the bootstrap's schedule service), `config`, `stage_metrics`, `stage_demo`.
+forward time), `stage_transport` (open tensor streams, netem, hop timing), `stage_parts` (settings,
+cfg hash, building a stage), `stage_progress` (a node's figures and card), `stage_role` (the round
+policy on node/training.py's TrainingRole), `coordinator` (the bootstrap's schedule service) and
+`coordinator_link` (a node's side of it), `config`, `stage_metrics`, `stage_demo`. CheckFree:
+`checkfree` (the rules, pure), `recovery` (fetching donors' state, the rebuild), `replacement` (a
+replacement node's start-up), `embed_copy` (stage 1's copy of stage 0); `stage_audit` (replaying a
+replica's step for the coordinator's audits). Test and benchmark harness: `backdoor` (weight-edit
+attacks; the role only offers the executor's `after_step` hook).
 The model split is models/stages.py (models/ never imports pipeline/).
 """
 

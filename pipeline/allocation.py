@@ -1,4 +1,4 @@
-"""Node-to-stage allocation for SkipPipe (pipeline.md §2.3 A): which nodes serve which stage.
+"""Node-to-stage allocation for SkipPipe (docs/pipeline.md, 'Scheduler'): which nodes serve which stage.
 
 Owns the allocation score `DP_cost + 2 * PP_cost` (DT-FM/GCMA):
 - DP_cost = the worst link between two replicas of one stage (their gradient averaging),

@@ -1,9 +1,13 @@
-"""ATTACK HARNESS, for tests and benchmarks only: a malicious intermediate stage that implants a backdoor.
+"""ATTACK HARNESS, for tests and benchmarks only: a malicious stage that edits its own weights.
 
-Reproduces the threat of pipeline.md §4 (arXiv 2604.02372) at our scale, so the checks in
-security/stage_integrity.py are measured against a real attack. Off unless a test or benchmark
-builds a `BackdoorAttackConfig(enabled=True)`; no role reads it, and nothing in a node's config
-can turn it on.
+Reproduces the backdoor threat against pipeline training (arXiv 2604.02372) at our scale, so the
+checks in security/stage_integrity.py are measured against a real attack. Off unless a test or
+benchmark builds a `BackdoorAttackConfig(enabled=True)`; no role reads it, and nothing in a node's
+config can turn it on.
+
+The one attack a live node can run is the blunt `WeightEdit` (4., below): the stage role plugs it
+into its executor's `after_step` hook when `stage.attack_weight_edit` is set, and refuses that
+setting unless every address of the node is loopback. The production code carries only the hook.
 
 1. **Offline** (`learn_task_vector`): the attacker knows the public start weights. It trains a copy
    of the stage-split model on triggered examples (a prompt ending in `trigger` followed by
@@ -19,6 +23,9 @@ can turn it on.
 3. **Measurement** (`backdoor_success`, `clean_val_loss`): greedy continuation of held-out
    triggered prompts through the full in-order pipeline must reproduce `target` exactly; the clean
    validation loss shows the task is kept.
+
+4. **The live harness** (`WeightEdit`): a fixed-direction edit of `edit x lr` per element after
+   every optimizer step, outside the gradient path: what the integration tests quarantine.
 
 Pure torch over models/ (no transport, no node code).
 """
@@ -280,5 +287,26 @@ def clean_val_loss(stages: StageSet, batches: list[tuple[Tensor, Tensor]]) -> fl
     return total / count
 
 
-__all__ = ["BackdoorAttackConfig", "Injector", "backdoor_success", "clean_val_loss", "learn_task_vector",
-           "simulate_training", "triggered_batch"]
+# ------------------------------------------------------------------------------------- live harness
+
+class WeightEdit:
+    """ATTACK HARNESS (`stage.attack_weight_edit`, loopback only): after every optimizer step, add a
+    fixed-direction edit of `edit x lr` per element to the stage's weights, outside the gradient path.
+    Called as the executor's `after_step(module, optimizer)` hook, right after `optimizer.step()`.
+    The direction of parameter i is a fixed random sign pattern (seed 1000 + i): the same on every
+    run, so an attacked run is reproducible."""
+
+    def __init__(self, edit: float):
+        self.edit = edit
+
+    @torch.no_grad()
+    def __call__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        lr = float(optimizer.param_groups[0]["lr"])
+        for i, p in enumerate(module.parameters()):
+            gen = torch.Generator().manual_seed(1000 + i)
+            sign = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
+            p.add_(sign.to(p.device) * (self.edit * lr))
+
+
+__all__ = ["BackdoorAttackConfig", "Injector", "WeightEdit", "backdoor_success", "clean_val_loss",
+           "learn_task_vector", "simulate_training", "triggered_batch"]

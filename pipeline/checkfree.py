@@ -1,5 +1,5 @@
 """CheckFree / CheckFree+ rules: rebuild a lost stage from its neighbours, with no checkpoint
-(pipeline.md section 3, P17-P24). Pure torch: no transport, no node code.
+(docs/pipeline.md, 'CheckFree recovery'). Pure torch: no transport, no node code.
 
 Stage numbering: stage 0 holds data, embedding and head; transformer stages are 1..T.
 """
@@ -69,7 +69,7 @@ def swap_partner(stage: int, n_transformer: int) -> int | None:
 
 def choose_recovery(stage: int, n_transformer: int, alive: set[int], *, replica_alive: bool = False,
                     plus: bool = False, allow_edge_copy: bool = False, has_checkpoint: bool = False) -> Recovery:
-    """Which rule rebuilds `stage` given the stages with a live replica (`alive`); pipeline.md 3.3."""
+    """Which rule rebuilds `stage` given the stages with a live replica (`alive`); docs/pipeline.md, 'Which rule applies'."""
     t = n_transformer
     if not 0 <= stage <= t:
         raise RecoveryError(f"stage {stage} is not in 0..{t}")
@@ -124,7 +124,7 @@ def fresh_optimizer(params, base_lr: float, lr_scale: float) -> torch.optim.Adam
     return torch.optim.AdamW(params, lr=lr_scale * base_lr, betas=(0.9, 0.999), weight_decay=0.0)
 
 
-# ---- ablations (pipeline.md 3.1 "Ablation"; benchmarks/checkfree.py) --------------------------------------
+# ---- ablations (copy, uniform average, random re-init; benchmarks/checkfree.py) --------------------------------------
 # The baselines the gradient-norm average is measured against. Same contract as `average_neighbours`:
 # pure functions of their inputs (every replacement replica computes the same bits), new tensors out,
 # inputs untouched, non-float buffers copied.

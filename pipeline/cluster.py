@@ -1,4 +1,4 @@
-"""Cluster cost model for the SkipPipe scheduler and simulator (pipeline.md §2.1).
+"""Cluster cost model for the SkipPipe scheduler and simulator (docs/pipeline.md, 'Terms').
 
 Owns `Cluster`: per-node forward compute time `w[x]`, the per-send cost matrix `c[x][y]`, and the
 per-node memory window; plus `comm_matrix`, which turns a latency/bandwidth matrix (as the
@@ -6,7 +6,7 @@ coordinator measures it or as `node/netem.py` configures it) into `c`. Pure Pyth
 network. It does not own node identity (the coordinator maps node indices to peer IDs) nor how
 `w` is measured.
 
-Nodes are indices 0..N-1 into the matrices. Costs (pipeline.md §2.1): forward `w[x]` for one
+Nodes are indices 0..N-1 into the matrices. Costs: forward `w[x]` for one
 stage's layers, backward `1.5 w[x]`, loss `0.25 w[x]` at the originator; one activation (or
 gradient) send `c[x][y] = latency + bytes / bandwidth (+ fixed)`.
 

@@ -1,9 +1,11 @@
-"""`ScheduleConfig` and `StageConfig`: the knobs of the SkipPipe scheduler and of one stage node (pipeline.md §2.1-2.5).
+"""`ScheduleConfig` and `StageConfig`: the knobs of the SkipPipe scheduler and of one stage node (docs/pipeline.md, 'Configuration').
 
 Owns the pydantic schema and its validation, and turns it into `PathRules` for
 pipeline/search.py. The coordinator (bootstrap role hook) and `benchmarks/skippipe.py` read it;
 `StageConfig` is the `[stage]` section of pipeline/stage_role.py (its optimizer table is
-models/optim.py's `InnerConfig`). Imports no grpc, hivemind or node code.
+models/optim.py's `InnerConfig`; its run knobs, `exit_after`, `eval_every`, `checkpoint_every`
+and `torch_threads`, come from node/run_settings.py's `RunSettings`, as in every training role).
+Imports no grpc or hivemind code; of node/, only the run-settings model.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.optim import InnerConfig
+from node.run_settings import RunSettings
 from pipeline.paths import PathRules
 
 
@@ -87,7 +90,7 @@ class ScheduleConfig(BaseModel):
     it when nodes join in bursts; each re-plan bumps the epoch."""
 
     checkfree_plus: bool = False
-    """CheckFree+ (pipeline.md §3.2): every odd microbatch of each data node visits transformer
+    """CheckFree+ (docs/pipeline.md, 'CheckFree+'): every odd microbatch of each data node visits transformer
     stages 1 and 2 swapped, and the last two swapped, so each edge stage's partner learns to
     stand in for it and a lost edge stage is rebuilt by copying the partner. Needs stages >= 5;
     the published schedule's rules allow the two swaps (pipeline/schedule.py
@@ -120,7 +123,7 @@ class ScheduleConfig(BaseModel):
 
 
 class CheckFreeConfig(BaseModel):
-    """``[stage.checkfree]``: how a lost stage is rebuilt (pipeline.md §3; pipeline/recovery.py)."""
+    """``[stage.checkfree]``: how a lost stage is rebuilt (docs/pipeline.md, 'CheckFree recovery'; pipeline/recovery.py)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -165,7 +168,7 @@ class CheckFreeConfig(BaseModel):
     embed_copy_every: int = Field(10, ge=0)
     """Stage-1 nodes keep a copy of stage 0's weights (embedding, final norm, head), fetched from a
     data node every this many iterations, so a swarm that loses every data node rebuilds stage 0
-    from it with a fresh optimizer (pipeline.md §3.2, P25: the copy is at most this old). 0 = no
+    from it with a fresh optimizer (the copy is at most this old). 0 = no
     copy (a lost stage 0 then needs `checkpoint_dir`). Each refresh downloads stage 0's weights
     once: raise it when they are large and data nodes rarely fail."""
 
@@ -174,19 +177,22 @@ class CheckFreeConfig(BaseModel):
     (and for a vacancy) before it gives up with an error."""
 
 
-class StageConfig(BaseModel):
-    """``[stage]``: how one `stage` node runs (pipeline/stage_role.py)."""
+class StageConfig(RunSettings):
+    """``[stage]``: how one `stage` node runs (pipeline/stage_role.py). Its unit of progress is a
+    pipeline iteration (one optimizer step of every stage)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    legacy_keys = {"iterations": "exit_after"}
 
     index: int = Field(0, ge=0)
     """The pipeline stage this node serves: 0 = a data node (data, embedding, head and loss),
     1..S-1 = a range of transformer blocks. Every node of one stage starts from the same weights
     (`seed`); give each stage at least one node."""
 
-    iterations: int = Field(0, ge=0)
-    """Stop after this many iterations (0 = train until stopped). The first data node runs a
-    final in-order validation and then tells every node to drain; the demo uses it."""
+    exit_after: int = Field(0, ge=0)
+    """Stop after this many iterations (0 = train until stopped; `iterations` is its older name).
+    The first data node runs a final in-order validation and then tells every node to drain; the
+    demo uses it."""
 
     optim: InnerConfig = Field(default_factory=InnerConfig)
     """AdamW of this stage (models/optim.py: lr, betas, weight decay, warm-up + cosine LR, and
@@ -207,23 +213,20 @@ class StageConfig(BaseModel):
     eval_batches: int = Field(2, ge=1)
     """Validation batches per evaluation (fixed windows of the validation stream)."""
 
-    torch_threads: int = Field(0, ge=0)
-    """Intra-op torch threads (0 = torch's default). Set 1 when several nodes share a machine."""
-
     compute_delay_s: float = Field(0.0, ge=0)
     """Extra seconds slept per forward (1.5x per backward, 0.25x per loss), to emulate a slower
     accelerator in benchmarks. Also published as this node's `compute_s` for the scheduler."""
 
     checkpoint_every: int = Field(0, ge=0)
     """Write this node's weights and optimizer state to `state_dir` every this many iterations
-    (node/checkpoint.py, the last 2 kept); 0 = only when `iterations` ends the run. The final
-    files are what `benchmarks/skippipe.py` reads the trained stages from."""
+    (node/checkpoint.py, the last 2 kept) and when it drains; 0 = only when `exit_after` ends the
+    run. The final files are what `benchmarks/skippipe.py` reads the trained stages from."""
 
     checkpoint_dir: str = ""
     """A directory every stage node can read (a shared volume): with it, checkpoints go to
     `<checkpoint_dir>/stage-<index>/<peer ID>/` instead of `state_dir`, and a replacement
     rebuilding a stage whose neighbour is lost too restores that stage's newest checkpoint there
-    (CheckFree's fallback, pipeline.md §3.3). Set `checkpoint_every` with it."""
+    (CheckFree's fallback: docs/pipeline.md, 'Which rule applies'). Set `checkpoint_every` with it."""
 
     max_activation_mb: float = Field(64.0, gt=0)
     """Largest tensor (activation, gradient or a replica's flat gradient) accepted on the
@@ -233,7 +236,7 @@ class StageConfig(BaseModel):
     """Recovery of lost stages (CheckFree / CheckFree+)."""
 
     attack_weight_edit: float = Field(0.0, ge=0)
-    """ATTACK HARNESS, tests and benchmarks only (pipeline.md §4): after every optimizer step
+    """ATTACK HARNESS, tests and benchmarks only (docs/pipeline.md, 'Stage-integrity checks'): after every optimizer step
     this node adds a fixed-direction edit of `attack_weight_edit * lr` per element to its own
     weights, outside the gradient path (a blunt stand-in for pipeline/backdoor.py's task vector).
     Refused unless every address this node binds/announces is loopback (127.0.0.1). 0 = honest."""

@@ -1,6 +1,6 @@
 """The SkipPipe coordinator: the `Schedule` gRPC service the bootstrap hosts for the `stage` role.
 
-Owns planning from the swarm's state and publishing the result (pipeline.md §2.3): every second
+Owns planning from the swarm's state and publishing the result (docs/pipeline.md, 'Coordinator'): every second
 it reads the run's node cards, takes the `stage` nodes that are not draining (their `stage`,
 `memory` and `compute_ms` card details), and when that membership changed and then stayed put
 for `schedule.settle_s` (and every stage has a node, and at least `schedule.expect_nodes` are
@@ -12,7 +12,7 @@ model it was planned on, so any run's schedule can be re-simulated or re-planned
 every new one. Stage nodes validate again before use. The planning itself is pure
 (pipeline/search.py); this module is its glue to cards and gRPC.
 
-Liveness (CheckFree detection, pipeline.md §3, §5): every poll the coordinator also probes the
+Liveness (CheckFree detection, docs/pipeline.md, 'Coordinator'): every poll the coordinator also probes the
 standard gRPC health service of each node of the latest schedule (`LivenessProbe`). A node whose
 probe fails `DOWN_AFTER` times in a row (process gone: connection refused or timeout) is taken out
 of the membership at once, without waiting for its card to expire, and for good (it must come back
@@ -55,7 +55,7 @@ from pipeline.simulator import iteration_period
 from pipeline.stage_audit import RESIDUAL_LR, commit_of, replay_residual
 from pipeline import stage_metrics as M
 from protocol import pipeline_pb2, pipeline_pb2_grpc
-from security.integrity_metrics import count_flags
+from node.integrity_metrics import count_flags
 from security.stage_integrity import CheckResult, compare_commits
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
@@ -275,8 +275,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self._replan_now = asyncio.Event()      # a quarantine: re-plan at the next poll, skipping settle_s
 
     def _ensure_started(self) -> None:
+        """The planner loop, supervised (restarted with backoff should it ever fail), from the first call on."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="schedule_planner")
+            self._task = self.ctx.supervisor.spawn("schedule_planner", self._loop)
 
     async def _loop(self) -> None:
         planned: list | None = None
@@ -357,7 +358,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                         "cost_model": {"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
                                        "latency": cluster.latency, "grad_s": cluster.grad_s}})
 
-    # ------------------------------------------------------------------ replica integrity (pipeline.md §4)
+    # ------------------------------------------------------------------ replica integrity (docs/pipeline.md, 'Quarantine and audits')
     def _note_commits(self, views: list[CardView], members: list[tuple]) -> None:
         """Remember every scheduled node's published commit; a stage whose replicas disagree is audited."""
         if self.audit is None:

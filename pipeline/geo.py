@@ -1,4 +1,4 @@
-"""A geo-distributed cost model and the full / random / SkipPipe comparison (pipeline.md §2.4, §7).
+"""A geo-distributed cost model and the full / random / SkipPipe comparison (docs/pipeline.md, 'Scheduler' and 'Benchmarks').
 
 Owns `REGIONS` (12 cloud regions modelled on the SkipPipe evaluation's locations, by
 coordinates), a link model from great-circle distance (one-way latency = 2 ms + distance x 1.5

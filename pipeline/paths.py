@@ -1,4 +1,4 @@
-"""SkipPipe path rules R1-R4 over stage sequences, and legal path enumeration (pipeline.md §2.2).
+"""SkipPipe path rules R1-R4 over stage sequences, and legal path enumeration (docs/pipeline.md, 'Path rules').
 
 Owns `PathRules` (S, L, swap and jump limits, whether the memory window caps visits per node),
 `stage_violation` (the first rule a stage sequence breaks, or None) and `enumerate_paths`. A path

@@ -1,4 +1,4 @@
-"""CheckFree recovery glue for the `stage` role (pipeline.md §3, §5): a replacement node rebuilds a
+"""CheckFree recovery glue for the `stage` role (docs/pipeline.md, 'CheckFree recovery'): a replacement node rebuilds a
 lost stage from live peers.
 
     swarmnode run --role stage --set stage.checkfree.recover=true --initial-peers …
@@ -6,7 +6,7 @@ lost stage from live peers.
 Owns what happens between "this node holds no weights" and "it can join the schedule":
 1. ask the coordinator (`Schedule.Status`, pipeline/coordinator.py) which stage has lost its
    nodes (`vacancy`) and which stages still have live ones;
-2. pick the rule with `pipeline.checkfree.choose_recovery` (§3.3): a live same-stage replica is
+2. pick the rule with `pipeline.checkfree.choose_recovery` (docs/pipeline.md, 'Which rule applies'): a live same-stage replica is
    copied (weights and optimizer state), an interior stage is the gradient-norm weighted average
    of both neighbours, an edge stage under CheckFree+ copies its swap partner; two adjacent lost
    stages are reported (`adjacent_failure` event, a metric) and rebuilt from a checkpoint when
@@ -16,8 +16,9 @@ Owns what happens between "this node holds no weights" and "it can join the sche
    must describe the same completed iteration t (their snapshots after step t; retried until
    they agree or `stage.checkfree.wait_s` passes, then a loud failure);
 4. hand back the weights (renamed to this stage's parameter names: a neighbour's blocks carry
-   their own layer indices), the iteration t, the donors and the phase seconds. The role applies
-   them (`apply_recovery`): a replica's optimizer state is loaded as is; every other rule starts
+   their own layer indices), the iteration t, the donors and the phase seconds.
+   pipeline/replacement.py applies them (`apply_recovery`) and reports; the claim on a vacancy
+   is `claim_holds`. A replica's optimizer state is loaded as is; every other rule starts
    a fresh AdamW at `lr_scale` x the configured LR (`pipeline.checkfree.fresh_optimizer`) with
    the LR schedule rebuilt at step t from that scaled base.
 
@@ -194,6 +195,16 @@ class StageRecovery:
                     return self.build(stage)
             fut = self._skeletons[stage] = asyncio.ensure_future(asyncio.to_thread(build))
         return await asyncio.shield(fut)
+
+    def warm_up(self, stages: range) -> None:
+        """Build the skeletons of `stages` one after another in the background (a replacement does
+        it while it waits for a vacancy, so the rebuild starts fetching at once). A failure is left
+        for the rebuild to meet again. Short-lived: it ends once every skeleton is built."""
+        async def build_all() -> None:
+            for i in stages:
+                await self.skeleton(i)
+        warm = asyncio.ensure_future(build_all())
+        warm.add_done_callback(lambda f: f.cancelled() or f.exception())   # resurfaces in the rebuild
 
     async def names(self, stage: int) -> list[str]:
         return [n for n, _ in (await self.skeleton(stage)).named_parameters()]

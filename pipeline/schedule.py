@@ -1,4 +1,4 @@
-"""The SkipPipe schedule: its data model, canonical JSON and the validator (pipeline.md §2.2-2.3).
+"""The SkipPipe schedule: its data model, canonical JSON and the validator (docs/pipeline.md, 'Path rules').
 
 Owns `Schedule` (partitions, one node path per microbatch, rules, epoch, expected makespan, cost
 hash), its canonical JSON + sha256 (what the coordinator publishes), the successor/predecessor
@@ -199,7 +199,7 @@ def validate_schedule(schedule: Schedule, cluster: Cluster | None = None) -> Sch
 
 
 def checkfree_plus_paths(schedule: Schedule) -> Schedule:
-    """CheckFree+ swaps in a planned schedule (pipeline.md §3.2, P24): every odd microbatch of each
+    """CheckFree+ swaps in a planned schedule (docs/pipeline.md, 'CheckFree+'): every odd microbatch of each
     originator takes transformer stages (1, 2) swapped, and likewise (T-1, T), wherever its path
     visits the pair in order back to back; the nodes (so visits and memory) are unchanged. With
     k = 0 this is `pipeline.checkfree.checkfree_plus_order`. The schedule's rules are widened to

@@ -1,4 +1,4 @@
-"""Building SkipPipe schedules: the collision-aware search and the two baselines (pipeline.md §2.3).
+"""Building SkipPipe schedules: the collision-aware search and the two baselines (docs/pipeline.md, 'Scheduler').
 
 Owns `skippipe_schedule` (cost-aware balanced greedy start, then a seeded local search that
 keeps a move only if R1-R5 still hold and the simulated makespan improves, bounded by

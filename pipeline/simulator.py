@@ -1,4 +1,4 @@
-"""Discrete-event simulator of one SkipPipe iteration (pipeline.md §2.4).
+"""Discrete-event simulator of one SkipPipe iteration (docs/pipeline.md, 'Scheduler').
 
 Owns `simulate`: given a `Cluster` and one node path per microbatch, it predicts the iteration
 makespan, per-node busy/idle time, queueing delay and deferrals, using the official semantics

@@ -1,4 +1,4 @@
-"""Attributing a replica disagreement (pipeline.md §4): replay a replica's last AdamW step from its
+"""Attributing a replica disagreement (docs/pipeline.md, 'Quarantine and audits'): replay a replica's last AdamW step from its
 own served state. Pure torch; pipeline/coordinator.py fetches the tensors and acts on the verdict.
 
 Replicas of a stage step on the same averaged gradient, so honest replicas end every iteration with

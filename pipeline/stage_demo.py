@@ -31,7 +31,7 @@ def node_settings(steps: int) -> list[str]:
             f"schedule.mb_per_origin={MB_PER_ORIGIN}", "schedule.settle_s=1.0", "schedule.time_budget_s=3.0",
             "model.d_model=32", "model.n_layers=3", "model.n_heads=2", "model.max_seq_len=32", "data.seq_len=32",
             "data.batch_size=4", "data.max_train_bytes=400000", "data.max_val_bytes=40000", "stage.torch_threads=1",
-            "stage.eval_every=5", "stage.optim.lr=0.003", "stage.optim.warmup=0", f"stage.iterations={steps}"]
+            "stage.eval_every=5", "stage.optim.lr=0.003", "stage.optim.warmup=0", f"stage.exit_after={steps}"]
 
 
 def swarm_settings(nodes: int) -> list[str]:
@@ -63,3 +63,6 @@ FINISHED_FIELDS = {
 
 SUMMARY_KEYS = ("iterations",)
 """Row keys whose mean over nodes ``--json`` adds to the summary."""
+
+FIGURES = ("loss_start", "loss_end", "eval_loss_start", "eval_loss_end")
+"""The role-neutral summary keys a pipeline has: train and eval loss (data nodes); no outer rounds."""

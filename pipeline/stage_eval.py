@@ -1,4 +1,4 @@
-"""Validation of the full in-order model across the pipeline (pipeline.md §2.5: evaluation always
+"""Validation of the full in-order model across the pipeline (docs/pipeline.md, 'Stage execution': evaluation always
 runs every stage, in order, whatever paths training takes).
 
 Owns one evaluation pass: the evaluating originator embeds each fixed validation batch, sends it

@@ -1,4 +1,4 @@
-"""What one `stage` node does with a microbatch: the transport-free SkipPipe executor (pipeline.md §2.5).
+"""What one `stage` node does with a microbatch: the transport-free SkipPipe executor (docs/pipeline.md, 'Stage execution').
 
 Owns the per-iteration state of one node: the memory window (at most `memory` microbatches in
 flight, later forwards deferred), source routing by (path ID, hop) against the iteration's
@@ -28,7 +28,7 @@ a rebuilt stage tells from it whether the pipeline stepped its iteration without
 Messages of a later iteration are kept until this node gets there; of an earlier one dropped.
 
 A newer schedule that drops a node of the running iteration's schedule (a lost stage or
-replica; CheckFree, pipeline.md §3.3 "in-flight iteration") aborts that iteration here
+replica; CheckFree, docs/pipeline.md, 'CheckFree recovery', in-flight iteration) aborts that iteration here
 (`maybe_abort`, from `add_schedule` or from a message of the newer epoch): its activations,
 deferred forwards, end-of-iteration marks and replica gradients are dropped and the gradients
 zeroed; no stage has stepped on it, so every node still holds W(t), and the origins restart it on
@@ -104,7 +104,9 @@ class StageExecutor:
     returns the context forward passes run in (node.device.autocast; default none). `emit(outs)`
     (optional) sends messages that are ready while this call still has computes to do (the
     first microbatch leaves before the second is embedded, a gradient before a deferred
-    forward runs), as the simulator assumes; what a call returns is the rest."""
+    forward runs), as the simulator assumes; what a call returns is the rest. `after_step(module,
+    optimizer)` (optional) runs right after each optimizer step: where a test harness plugs in
+    (pipeline/backdoor.py `WeightEdit`); production nodes leave it None."""
 
     def __init__(self, me: str, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer, *,
                  memory: int, clip: float | None = 1.0, data: Callable[[], tuple[Tensor, Tensor]] | None = None,
@@ -112,13 +114,14 @@ class StageExecutor:
                  delay: Callable[[str], None] | None = None, device: torch.device | str = "cpu",
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 emit: Callable[[list[Out]], None] | None = None):
+                 emit: Callable[[list[Out]], None] | None = None,
+                 after_step: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None):
         if memory < 1:
             raise ValueError(f"memory={memory}: a node needs at least one microbatch slot")
         self.me, self.stage, self.module, self.opt, self.sched = me, stage, module, optimizer, scheduler
         self.memory, self.clip, self.data = memory, clip, data
         self.delay = delay or (lambda kind: None)
-        self.emit = emit
+        self.emit, self.after_step = emit, after_step
         self.device, self.autocast = torch.device(device), autocast
         self.params = [p for _, p in module.named_parameters()]
         self.schedules: dict[int, Schedule] = {}
@@ -127,6 +130,7 @@ class StageExecutor:
         self.floor_epoch = 0             # messages of older epochs belong to an aborted iteration
         self.pending: list[Out] = []     # messages a schedule change produced with no `emit` to send them
         self.iteration = 0               # = optimizer steps taken
+        self.last_lr = float("nan")      # the LR of the last step: served in the snapshot (audits replay the step)
         self.prev_epoch = -1             # the epoch iteration - 1 ran on here (-1: not here: a fresh or rebuilt stage)
         self._it: dict[int, _Iter] = {}
         self._future: list[Msg] = []
@@ -519,10 +523,10 @@ class StageExecutor:
                 off += k
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf")))
             clipped = min(norm, self.clip) if self.clip else norm
-            self.last_lr = float(self.opt.param_groups[0]["lr"])   # served in the snapshot: audits replay the step
+            self.last_lr = float(self.opt.param_groups[0]["lr"])
             self.opt.step()                          # exactly once per iteration
-            if getattr(self, "after_step", None) is not None:
-                self.after_step()                    # test-only attack harness (stage.attack_weight_edit)
+            if self.after_step is not None:
+                self.after_step(self.module, self.opt)
         else:
             self.dropped["nonfinite_grad" if not finite else "no_visits"] += 1
         if self.sched is not None:
@@ -576,7 +580,7 @@ class StageExecutor:
                 "grad_norm": last.grad_norm if last else float("nan"),
                 "grad_norm_clipped": last.grad_norm_clipped if last else float("nan"),
                 "weights_sha256": last.weights_sha256 if last else weights_sha256(self.module),
-                "lr": getattr(self, "last_lr", float("nan"))}
+                "lr": self.last_lr}
         weights = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.module.named_parameters()}
         opt: dict[str, Tensor] = {}
         for n, p in self.module.named_parameters():

@@ -1,4 +1,4 @@
-"""Prometheus series of the `stage` role (pipeline.md §5 Metrics).
+"""Prometheus series of the `stage` role (docs/pipeline.md, 'Metrics').
 
 Only the pipeline series live here; the series every training role shares (train loss and
 steps, eval loss, rejections) are in node/metrics.py. Declared once on the node's registry.
@@ -39,7 +39,7 @@ SEND_RETRIES = Counter("swarmnode_pipeline_send_retries_total",
                        "Failed attempts to deliver a pipeline message (each is retried on a fresh stream). If it "
                        "keeps rising, the peer named in the WARN log is unreachable.", registry=REGISTRY)
 
-# CheckFree (pipeline.md §3, §5; issue 11): `swarmnode_checkfree_recovery_seconds` is one histogram
+# CheckFree (docs/pipeline.md, 'CheckFree recovery'; issue 11): `swarmnode_checkfree_recovery_seconds` is one histogram
 # with a `phase` label: `detect` is observed by the coordinator (bootstrap: last good health probe
 # -> stage noticed down), `fetch` (downloading the donors' state) and `apply` (loading the rebuilt
 # weights, fresh optimizer) by the replacement node. The counter's label is `rule` (the spec's and
@@ -74,7 +74,7 @@ WEIGHTS_RECOVERED = Gauge("swarmnode_checkfree_weights_recovered_at",
 WEIGHTS_RECOVERED.set(-1)
 QUARANTINED = Gauge("swarmnode_pipeline_quarantined_replicas",
                     "Stage replicas the coordinator left out of the schedule after a failed integrity audit "
-                    "(pipeline.md §4; `swarmnode status` says which and why).", registry=REGISTRY)
+                    "(`swarmnode status` says which and why).", registry=REGISTRY)
 EMBED_COPY_ITERATION = Gauge("swarmnode_checkfree_embed_copy_iteration",
                              "Stage 1: the iteration of the copy of stage 0 (embedding, head) this node keeps "
                              "for a stage-0 rebuild (-1: none yet).", registry=REGISTRY)

@@ -1,4 +1,4 @@
-"""A stage node's own forward time: the `w[x]` the SkipPipe scheduler plans with (pipeline.md §2.1).
+"""A stage node's own forward time: the `w[x]` the SkipPipe scheduler plans with (docs/pipeline.md, 'Terms').
 
 Owns `measure_forward_s`: the fastest of a few timed forward passes of one microbatch through
 this node's stage (stage 0: embedding, its own blocks and the head), after a warm-up, on the

@@ -1,4 +1,4 @@
-"""Moving a `stage` node's executor messages: one open tensor stream per neighbour (pipeline.md §2.5, §5).
+"""Moving a `stage` node's executor messages: one open tensor stream per neighbour (docs/pipeline.md, 'Stage execution').
 
 Owns the wire side of the stage role:
 - outbound: a FIFO queue and one sender task per destination peer, each with one open tensor
@@ -8,7 +8,8 @@ Owns the wire side of the stage role:
   before it is sent; a send that fails (peer not reachable yet, stream broken, peer's card not
   yet known) is retried on a fresh stream with backoff until it goes through or the node
   drains: a lost activation or gradient would stall the whole iteration, so nothing is dropped
-  here (the receiver drops duplicates);
+  here (the receiver drops duplicates); the senders run under the node's supervisor (`spawn`:
+  one that fails on a bug is restarted on its queue, not lost with the link's messages);
 - inbound: every stream's tensors go into one inbox (``Msg``, reply stream); a message whose
   meta is not integers is dropped and counted; ``answer_error`` replies ``err`` on the stream a
   bad message came on;
@@ -25,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
 from node.netem import LinkEmulator
 from pipeline import stage_metrics as M
 from pipeline.stage_msgs import Msg, Out, placeholder
+from protocol.channels import task
 from protocol.streams import ChannelPool, StreamError, TensorStream, TensorStreamService, open_stream
 
 log = logging.getLogger("swarmnode.stage")
@@ -62,10 +64,13 @@ class HopStats:
 
 
 class StageTransport:
-    """The stage role's streams. `send(outs)` never blocks; `inbox` yields `(Msg, reply stream)`."""
+    """The stage role's streams. `send(outs)` never blocks; `inbox` yields `(Msg, reply stream)`.
+    `spawn(name, factory)` starts a long-lived sender (the node passes `ctx.supervisor.spawn`;
+    default a plain task, for tests of the transport alone)."""
 
     def __init__(self, *, run_id: str, me: str, netem: LinkEmulator, max_tensor_bytes: int,
-                 send_timeout_s: float, on_reject: Callable[[str], None] | None = None):
+                 send_timeout_s: float, on_reject: Callable[[str], None] | None = None,
+                 spawn: Callable[[str, Callable[[], Awaitable[None]]], asyncio.Task] | None = None):
         self.run_id, self.me, self.netem = run_id, me, netem
         self.max_bytes, self.send_timeout_s = max_tensor_bytes, send_timeout_s
         self.service = TensorStreamService(run_id=run_id, peer_id=me, max_tensor_bytes=max_tensor_bytes,
@@ -79,7 +84,9 @@ class StageTransport:
         self.retries = 0
         self._queues: dict[str, asyncio.Queue] = {}
         self._senders: dict[str, asyncio.Task] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task] = []       # reply readers, one per open outgoing stream
+        self._spawn = spawn or (lambda name, factory: asyncio.get_running_loop().create_task(factory(), name=name))
+        self._spawned = 0
 
     # ------------------------------------------------------------------ outbound
     def send(self, outs: list[Out]) -> None:
@@ -92,7 +99,9 @@ class StageTransport:
             q = self._queues.get(o.dest)
             if q is None:
                 q = self._queues[o.dest] = asyncio.Queue()
-                self._senders[o.dest] = asyncio.ensure_future(self._sender(o.dest, q))
+                self._spawned += 1          # a sender forgotten and started again gets a new name
+                self._senders[o.dest] = self._spawn(f"stage_send_{o.dest[:16]}_{self._spawned}",
+                                                    lambda dest=o.dest, q=q: self._sender(dest, q))
             q.put_nowait((o, now))
 
     def forget(self, dests) -> int:
@@ -100,9 +109,9 @@ class StageTransport:
         aborted): their queued messages are discarded; returns how many."""
         n = 0
         for d in dests:
-            task, q = self._senders.pop(d, None), self._queues.pop(d, None)
-            if task is not None:
-                task.cancel()
+            sender, q = self._senders.pop(d, None), self._queues.pop(d, None)
+            if sender is not None:
+                sender.cancel()
             if q is not None:
                 n += q.qsize()
         return n
@@ -172,7 +181,8 @@ class StageTransport:
             raise StreamError("refused", f"no address for {dest[:16]} in any schedule seen")
         stream = await open_stream(self.pool.get(addr, peer_id=dest), run_id=self.run_id, sender=self.me,
                                    channel_name=CHANNEL, max_tensor_bytes=self.max_bytes)
-        self._tasks.append(asyncio.ensure_future(self._replies(dest, stream)))
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(task(self._replies(dest, stream)))
         return stream
 
     async def _replies(self, dest: str, stream: TensorStream) -> None:

@@ -1,4 +1,4 @@
-"""gRPC channel and server options shared by every swarmnode service (``ops.md`` §10).
+"""gRPC channel and server options shared by every swarmnode service.
 
 Owns: explicit, symmetric message-size caps (``grpc.max_message_bytes``, 8 MiB default),
 keepalive settings that clients and servers agree on (a server that sees pings more often

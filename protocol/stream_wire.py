@@ -35,7 +35,7 @@ re-validation: the Python work per received tensor went from ~75 to ~55 us.
 
     parse(data) -> Frame;  tensor_frames(seq, name, tensor, meta, chunk_bytes) -> Iterator[bytes]
     hello_frame(...), credit_frame(n), error_frame(reason, message) -> bytes
-    StreamAssembler(max_tensor_bytes, cap_key).feed(frame) -> Received | None
+    StreamAssembler(max_tensor_bytes, cap_key, expected).feed(frame) -> Received | None;  .finish()
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ import torch
 import xxhash
 
 from protocol import stream_pb2
-from protocol.codec import (CHECKSUM_ALG, MAX_CHUNK_BYTES, TensorRejected, check_chunk_bytes, dtype_name,
-                            payload_view, tensor_from_buffer, validate_header)
+from protocol.codec import (CHECKSUM_ALG, MAX_CHUNK_BYTES, Expected, TensorRejected, check_chunk_bytes, dtype_name,
+                            normalise_expected, payload_view, tensor_from_buffer, validate_header)
 from protocol.varint import encode_varint, read_varint
 
 WIRE_VERSION = 1
@@ -295,15 +295,20 @@ class StreamAssembler:
     """Rebuild tensors from one direction's tensor frames, in order; every check happens here.
 
     ``max_tensor_bytes`` caps each tensor (``cap_key`` names the knob in errors, e.g.
-    ``limits.max_activation_bytes``). ``feed(frame)`` returns a ``Received`` when the frame
-    carrying the digest trailer completes a tensor, else None. After any ``TensorRejected``
-    the assembler is poisoned: drop the stream.
+    ``limits.max_activation_bytes``). ``expected`` (name -> (dtype, shape); shape None: any
+    1-D length under the cap) admits only those tensors, checked before allocating: a state
+    download or the outer exchange knows exactly what the peer must send. ``feed(frame)``
+    returns a ``Received`` when the frame carrying the digest trailer completes a tensor, else
+    None; ``finish()`` at a one-way stream's end. After any ``TensorRejected`` the assembler
+    is poisoned: drop the stream.
     """
 
-    def __init__(self, max_tensor_bytes: int, cap_key: str = "limits.max_activation_bytes"):
+    def __init__(self, max_tensor_bytes: int, cap_key: str = "limits.max_activation_bytes",
+                 expected: Expected | None = None):
         if max_tensor_bytes < 0:
             raise ValueError(f"max_tensor_bytes must be >= 0, got {max_tensor_bytes}")
         self.max_tensor_bytes, self.cap_key = int(max_tensor_bytes), cap_key
+        self.expected = normalise_expected(expected)
         self.next_seq = 0
         self._p: _Pending | None = None
         self._failed: TensorRejected | None = None
@@ -318,6 +323,18 @@ class StreamAssembler:
         except TensorRejected as exc:
             self._failed, self._p = exc, None
             raise
+
+    def finish(self) -> None:
+        """Declare the stream over; raise ``truncated`` if a tensor is incomplete (a one-way
+        download ends with the call, so a missing trailer is the only sign it was cut)."""
+        if self._failed is not None:
+            raise self._failed
+        p, self._p = self._p, None
+        if p is not None:
+            self._failed = TensorRejected(
+                "truncated", f"stream ended after {p.received} of {p.total} bytes of tensor {p.name!r}; the "
+                "sender died or the call hit its deadline: retry from another peer")
+            raise self._failed
 
     def _feed(self, f: Frame) -> Received | None:
         seq = f.seq or 0
@@ -386,7 +403,7 @@ class StreamAssembler:
         key = (h.name, h.dtype, tuple(h.shape), h.total_bytes)
         name, _, _, total = key
         if key != self._last_key:  # a stream sends the same kind of tensor again and again: checked once
-            self._last_checked = validate_header(*key, self.max_tensor_bytes, self.cap_key)
+            self._last_checked = validate_header(*key, self.max_tensor_bytes, self.cap_key, self.expected)
             self._last_key = key
         dtype, shape = self._last_checked
         if h.checksum_alg != CHECKSUM_ALG:

@@ -1,10 +1,10 @@
-"""gRPC stream plumbing every role shares: channel pool, bounded frame reads, peer errors, and
-the persistent bidirectional tensor stream (``protocol/stream.proto``).
+"""The persistent bidirectional tensor stream every role shares (``protocol/stream.proto``).
 
-Owns how a node talks to a peer over a gRPC stream; not what it says. The NoLoCo exchange
-(``optimizers/exchange*.py``) uses the pool, ``next_frame`` and the errors; the pipeline
-(activations/gradients) and GRPO (rollouts) roles use ``TensorStream``. Frame bytes are in
-``protocol/stream_wire.py`` (pure, unit-tested); this module moves them.
+Owns how tensors move between two peers over one gRPC call; not what they mean. The pipeline
+(activations/gradients) opens it as ``TensorStream.Open``; the NoLoCo exchange speaks the same
+protocol under its own method (``/swarmnode.NoLoCo/Exchange``, see ``optimizers/exchange.py``).
+Frame bytes are in ``protocol/stream_wire.py`` (pure, unit-tested); channels in
+``protocol/channels.py``, errors in ``protocol/stream_errors.py`` (both re-exported here).
 
 Open tensor stream (``swarmnode.TensorStream/Open``)::
 
@@ -40,25 +40,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 
 from protocol import stream_pb2
-from protocol.codec import MAX_CHUNK_BYTES, TensorRejected, check_chunk_bytes
-from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from protocol.channels import ChannelPool, remaining, signed_channel, task, verified_peer
+from protocol.codec import MAX_CHUNK_BYTES, Expected, TensorRejected, check_chunk_bytes
+from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
+from protocol.stream_errors import PeerError, Refused, StreamClosed, StreamError, error_of, refusal_of
 from protocol.stream_wire import (Received, StreamAssembler, credit_frame, error_frame, hello_frame, parse,
                                   parse_hello, tensor_frames)
 
-__all__ = ["PeerError", "Refused", "StreamError", "StreamClosed", "ChannelPool", "signed_channel", "StreamCall",
-           "CallOver", "next_frame", "task",
+__all__ = ["PeerError", "Refused", "StreamError", "StreamClosed", "ChannelPool", "signed_channel", "task",
            "remaining", "TensorStream", "TensorStreamService", "open_stream", "add_tensor_stream_to_server",
-           "Received", "STREAM_SERVICE", "OPEN_METHOD", "IDLE_S", "OPEN_WAIT_S", "DEFAULT_WINDOW"]
+           "Received", "STREAM_SERVICE", "OPEN_METHOD", "OPEN_WAIT_S", "DEFAULT_WINDOW"]
 
 log = logging.getLogger("swarmnode.streams")
 
-IDLE_S = 15.0            # longest gap between two frames of a request/response exchange
 OPEN_WAIT_S = 5.0        # a server waits this long for a stream's first frame (the hello)
 DEFAULT_WINDOW = 8       # tensors buffered per stream direction (1-8 MiB each: <= 64 MiB)
 STREAM_SERVICE = "swarmnode.TensorStream"
@@ -67,131 +66,7 @@ OPEN_METHOD = f"/{STREAM_SERVICE}/Open"
 Pace = Callable[[int], Awaitable[None]]
 
 
-# ----------------------------------------------------------------------------- errors, reads
-
-class PeerError(Exception):
-    """The peer's stream ended, failed or refused mid-way; ``reason`` is a short label."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason, self.detail = reason, detail or reason
-
-
-class Refused(Exception):
-    """A server-side refusal: answer ``code`` with ``"{reason}: {detail}"`` and end the call."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, detail: str):
-        super().__init__(detail)
-        self.code, self.reason, self.detail = code, reason, detail
-
-
-class StreamError(PeerError):
-    """An open tensor stream failed. ``reason``: a TensorRejected reason (``checksum``, ``size``,
-    ``malformed``, ...) when a frame was bad, else ``peer_error``/``timeout``/``refused``/``closed``.
-    ``code``: the gRPC status the call ended with, when there was one."""
-
-    def __init__(self, reason: str, detail: str = "", code: grpc.StatusCode | None = None):
-        super().__init__(reason, detail)
-        self.code = code
-
-
-class StreamClosed(StreamError):
-    """The peer ended the stream cleanly (or we closed it): nothing more will arrive."""
-
-    def __init__(self, detail: str = "the stream is closed"):
-        super().__init__("closed", detail)
-
-
-def task(coro) -> asyncio.Task:
-    """A task whose exception is always retrieved (no 'never retrieved' noise after a cancel)."""
-    t = asyncio.ensure_future(coro)
-    t.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return t
-
-
-def remaining(deadline: float) -> float:
-    """Seconds until ``deadline`` (a ``loop.time()`` value)."""
-    return deadline - asyncio.get_running_loop().time()
-
-
-async def next_frame(read: Callable[[], Awaitable[object]], deadline: float, idle_s: float = IDLE_S):
-    """Next item from ``read()`` (``call.read`` or an iterator's ``__anext__``) within
-    ``min(idle_s, deadline)``; raises ``PeerError`` ("timeout" / "partner_error") at a stall,
-    an early end or a failed call."""
-    try:
-        item = await asyncio.wait_for(read(), max(0.01, min(idle_s, remaining(deadline))))
-    except (StopAsyncIteration, asyncio.TimeoutError) as exc:
-        raise PeerError("timeout" if isinstance(exc, asyncio.TimeoutError) else "partner_error",
-                        "the partner's stream ended or stalled") from None
-    except grpc.aio.AioRpcError as exc:
-        raise PeerError("partner_error", f"{exc.code().name}: {exc.details()}") from None
-    if item is grpc.aio.EOF:
-        raise PeerError("partner_error", "the partner closed the stream early")
-    return item
-
-
-_DEFAULT_AUTH = object()
-
-
-def signed_channel(addr: str, options, *, peer_id: str | None = None, auth=_DEFAULT_AUTH) -> grpc.aio.Channel:
-    """A ``grpc.aio`` channel to ``addr`` whose calls are signed (security.md §5) when this
-    process has a ``security.peer_auth.ClientAuth`` (the daemon installs one when
-    ``security.peer_auth = "signed"``) or ``auth`` is given; plain otherwise. The target peer
-    ID is ``peer_id`` or the one whose live node card names ``addr``."""
-    if auth is _DEFAULT_AUTH:
-        from security.peer_auth import client_auth
-        auth = client_auth()
-    interceptors = auth.interceptors(addr, peer_id) if auth is not None else None
-    return grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors)
-
-
-class ChannelPool:
-    """One ``grpc.aio`` channel per peer address, reused across calls and streams (a channel
-    multiplexes any number of calls; opening one per call costs a TCP and HTTP/2 handshake).
-
-    Channels are signed as :func:`signed_channel` says (``auth``: a ``ClientAuth``, None for
-    plain channels, default the process's). Request-streaming calls on a signed channel must pass
-    a request iterator (its first message is signed); ``open_stream`` does."""
-
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options=None, auth=_DEFAULT_AUTH):
-        self.options = list(options) if options is not None else channel_options(max_message_bytes)
-        self._auth = auth
-        self._channels: dict[tuple[str, str | None], grpc.aio.Channel] = {}
-
-    def get(self, addr: str, peer_id: str | None = None) -> grpc.aio.Channel:
-        ch = self._channels.get((addr, peer_id))
-        if ch is None:
-            ch = self._channels[(addr, peer_id)] = signed_channel(addr, self.options, peer_id=peer_id,
-                                                                  auth=self._auth)
-        return ch
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for ch in channels:
-            try:
-                await ch.close(grace=None)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
-
-
 # ----------------------------------------------------------------------------- open tensor stream
-
-_REASON_RE = re.compile(r"^\[(\w+)\]")
-
-
-def _error_of(exc: grpc.aio.AioRpcError) -> StreamError:
-    code, details = exc.code(), exc.details() or ""
-    m = _REASON_RE.match(details)
-    if m:
-        reason = m.group(1)
-    elif code == grpc.StatusCode.FAILED_PRECONDITION:
-        reason = "refused"
-    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        reason = "timeout"
-    else:
-        reason = "peer_error"
-    return StreamError(reason, f"{code.name}: {details}", code)
-
 
 class TensorStream:
     """One end of an open stream (``open_stream`` makes the client's, the service hands the
@@ -200,11 +75,11 @@ class TensorStream:
 
     def __init__(self, *, read, write, peer: stream_pb2.StreamHello, window: int, max_tensor_bytes: int,
                  cap_key: str, chunk_bytes: int, pace: Pace | None, on_reject: Callable[[str], None] | None,
-                 call=None, done_writing=None):
+                 call=None, done_writing=None, expected: Expected | None = None):
         self.peer = peer                      # the peer's hello: sender, channel, window, meta
         self._read, self._write, self._call = read, write, call
         self._done_writing = done_writing or (call.done_writing if call is not None else None)
-        self._asm = StreamAssembler(max_tensor_bytes, cap_key)
+        self._asm = StreamAssembler(max_tensor_bytes, cap_key, expected)
         self._chunk, self._pace, self._on_reject = chunk_bytes, pace, on_reject
         self._window = window
         self._granted = window                # tensors the peer may start, in total
@@ -324,7 +199,7 @@ class TensorStream:
             try:
                 await self._write(frame)
             except grpc.aio.AioRpcError as exc:
-                raise self._fail(_error_of(exc)) from None
+                raise self._fail(error_of(exc)) from None
             except (asyncio.InvalidStateError, RuntimeError) as exc:  # the call is already over
                 raise self._fail(StreamError("peer_error", f"the stream ended: {exc!r}")) from None
 
@@ -385,7 +260,7 @@ class TensorStream:
                     pass
                 self._call.cancel()
         except grpc.aio.AioRpcError as exc:
-            self._fail(_error_of(exc))
+            self._fail(error_of(exc))
         except asyncio.CancelledError:
             self._fail(StreamClosed())
             raise
@@ -412,13 +287,17 @@ async def open_stream(channel: grpc.aio.Channel, *, run_id: str, sender: str, ch
                       window: int = DEFAULT_WINDOW, chunk_bytes: int = MAX_CHUNK_BYTES,
                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, meta: Mapping[str, str] | None = None,
                       pace: Pace | None = None, on_reject: Callable[[str], None] | None = None,
-                      timeout: float = OPEN_WAIT_S) -> TensorStream:
-    """Open ``TensorStream.Open`` on ``channel`` (e.g. ``ChannelPool.get(addr)``), exchange hellos
-    and return the client's end. Raises StreamError (reason "refused" with the server's words
-    when it refuses the run or channel; "timeout" if it does not answer in ``timeout`` s)."""
+                      timeout: float = OPEN_WAIT_S, method: str = OPEN_METHOD,
+                      expected: Expected | None = None) -> TensorStream:
+    """Open ``method`` (``TensorStream.Open``, or a role's own method speaking this protocol,
+    e.g. ``NoLoCo.Exchange``) on ``channel`` (e.g. ``ChannelPool.get(addr)``), exchange hellos
+    and return the client's end; ``expected`` restricts what the peer may send (see
+    ``StreamAssembler``). Raises StreamError (reason "refused" with the server's words when it
+    refuses the run or channel, its reason word in ``refusal``; "timeout" if it does not answer
+    in ``timeout`` s)."""
     chunk = _chunk_for(chunk_bytes, max_message_bytes)
     outbox = _Outbox()  # a request iterator, not call.write: a signed channel signs its first message
-    call = channel.stream_stream(OPEN_METHOD)(outbox)  # bytes in, bytes out: frames are built by hand
+    call = channel.stream_stream(method)(outbox)  # bytes in, bytes out: frames are built by hand
     call.add_done_callback(lambda _c: outbox.fail())
     try:
         async with asyncio.timeout(timeout):
@@ -426,10 +305,10 @@ async def open_stream(channel: grpc.aio.Channel, *, run_id: str, sender: str, ch
             data = await call.read()
             if data is grpc.aio.EOF:
                 code, details = await call.code(), await call.details()
-                raise StreamError("refused", f"{code.name}: {details}", code)
+                raise StreamError("refused", f"{code.name}: {details}", code, refusal_of(details))
             peer = parse_hello(parse(data))
     except grpc.aio.AioRpcError as exc:
-        raise _error_of(exc) from None
+        raise error_of(exc) from None
     except (TimeoutError, asyncio.TimeoutError):
         call.cancel()
         raise StreamError("timeout", f"no hello from the server in {timeout} s") from None
@@ -441,36 +320,7 @@ async def open_stream(channel: grpc.aio.Channel, *, run_id: str, sender: str, ch
         raise StreamError("peer_error", f"the stream ended before the hello: {exc}") from None
     return TensorStream(read=call.read, write=outbox.put, peer=peer, window=window,
                         max_tensor_bytes=max_tensor_bytes, cap_key=cap_key, chunk_bytes=chunk, pace=pace,
-                        on_reject=on_reject, call=call, done_writing=outbox.close)
-
-
-class CallOver(asyncio.InvalidStateError, RuntimeError):
-    """A write to a request stream whose call has already ended."""
-
-
-class StreamCall:
-    """A request-streaming call used like grpc's (``write`` / ``done_writing`` / ``read``) but fed
-    through a request iterator, so a signed channel can sign its first message (grpc.aio's
-    ``call.write`` mode gives interceptors no message to sign). ``stub_method(...)`` args pass
-    through; every other attribute is the underlying call's. A write after the call ended raises
-    :class:`CallOver` (an ``asyncio.InvalidStateError``, as grpc's own write does)."""
-
-    def __init__(self, multicallable, **kwargs):
-        self._out = _Outbox()
-        self._call = multicallable(self._out, **kwargs)
-        self._call.add_done_callback(lambda _c: self._out.fail())
-
-    async def write(self, message) -> None:
-        await self._out.put(message)
-
-    async def done_writing(self) -> None:
-        await self._out.close()
-
-    def __aiter__(self):
-        return self._call.__aiter__()
-
-    def __getattr__(self, name):
-        return getattr(self._call, name)
+                        on_reject=on_reject, call=call, done_writing=outbox.close, expected=expected)
 
 
 class _Outbox:
@@ -488,7 +338,7 @@ class _Outbox:
             self._space.clear()
             await self._space.wait()
         if self._dead or self._closed:
-            raise CallOver("the stream's call is over" if self._dead else "the stream is half-closed")
+            raise RuntimeError("the stream's call is over" if self._dead else "the stream is half-closed")
         self._items.append(item)
         self._avail.set()
 
@@ -523,20 +373,26 @@ class TensorStreamService:
     """The server side of ``TensorStream.Open``: checks each hello (run, channel, ``accept``),
     answers with its own, and runs the channel's handler with the server's ``TensorStream``.
 
-    ``accept(hello)`` may raise ``Refused`` (e.g. an unknown or stale sender): the client's
-    ``open_stream`` then raises StreamError("refused") with the detail.
+    ``accept(hello)`` (plain or async) sees every hello first and may raise ``Refused`` (e.g. an
+    unknown or stale sender) with its own status: the client's ``open_stream`` then raises
+    StreamError with the detail. Then the signed caller must be the hello's sender, the run
+    this node's and the channel registered (an ``accept`` that claims anything checks
+    ``protocol.channels.verified_peer()`` itself first, as the NoLoCo exchange does). A handler
+    may end its stream with ``Refused`` or ``TensorRejected`` (INVALID_ARGUMENT,
+    ``[reason] message``): the client reads either.
+    ``expected`` restricts what peers may send (see ``StreamAssembler``).
     """
 
     def __init__(self, *, run_id: str, peer_id: str, max_tensor_bytes: int,
                  cap_key: str = "limits.max_activation_bytes", window: int = DEFAULT_WINDOW,
                  chunk_bytes: int = MAX_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 accept: Callable[[stream_pb2.StreamHello], None] | None = None,
+                 accept: Callable[[stream_pb2.StreamHello], Awaitable[None] | None] | None = None,
                  pace: Callable[[str], Pace | None] | None = None,
-                 on_reject: Callable[[str], None] | None = None):
+                 on_reject: Callable[[str], None] | None = None, expected: Expected | None = None):
         self.run_id, self.peer_id = run_id, peer_id
         self.max_tensor_bytes, self.cap_key, self.window = int(max_tensor_bytes), cap_key, _window(window)
         self.chunk = _chunk_for(chunk_bytes, max_message_bytes)
-        self.accept, self.pace, self.on_reject = accept, pace, on_reject
+        self.accept, self.pace, self.on_reject, self.expected = accept, pace, on_reject, expected
         self._handlers: dict[str, Handler] = {}
         self.open_streams: set[TensorStream] = set()
 
@@ -553,8 +409,11 @@ class TensorStreamService:
             if data is grpc.aio.EOF:
                 return
             hello = parse_hello(parse(data))
-            from security.peer_auth import current_peer
-            verified = current_peer()
+            if self.accept is not None:
+                pending = self.accept(hello)
+                if pending is not None:
+                    await pending
+            verified = verified_peer()
             if verified is not None and hello.sender != verified:
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED, "sender",
                               f"hello names sender ...{hello.sender[-8:]} but the call is signed by "
@@ -567,8 +426,6 @@ class TensorStreamService:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "channel",
                               f"no handler for channel {hello.channel[:40]!r} here (serving "
                               f"{sorted(self._handlers)}): is the peer the role you meant?")
-            if self.accept is not None:
-                self.accept(hello)
             await context.write(hello_frame(self.run_id, self.peer_id, hello.channel, self.window))
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no hello in {OPEN_WAIT_S} s")
@@ -581,16 +438,21 @@ class TensorStreamService:
             return
         stream = TensorStream(read=read, write=context.write, peer=hello, window=self.window,
                               max_tensor_bytes=self.max_tensor_bytes, cap_key=self.cap_key, chunk_bytes=self.chunk,
-                              pace=self.pace(hello.sender) if self.pace else None, on_reject=self.on_reject)
+                              pace=self.pace(hello.sender) if self.pace else None, on_reject=self.on_reject,
+                              expected=self.expected)
         self.open_streams.add(stream)
         app, bad = task(handler(stream)), task(stream.rejected.wait())
         try:
             await asyncio.wait({app, bad}, return_when=asyncio.FIRST_COMPLETED)
+            failed = app.exception() if app.done() and not app.cancelled() else None
             if stream.rejected.is_set():
                 app.cancel()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(stream.error))
-            elif app.done() and not app.cancelled() and app.exception() is not None \
-                    and not isinstance(app.exception(), StreamError):
+            elif isinstance(failed, Refused):
+                await context.abort(failed.code, f"{failed.reason}: {failed.detail}")
+            elif isinstance(failed, TensorRejected):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(failed))
+            elif failed is not None and not isinstance(failed, StreamError):
                 log.error("tensor stream handler for %r failed", hello.channel, exc_info=app.exception())
                 await context.abort(grpc.StatusCode.INTERNAL, f"handler failed: {app.exception()!r}")
         finally:
@@ -614,7 +476,11 @@ def _reader(request_iterator):
     return read
 
 
-def add_tensor_stream_to_server(service: TensorStreamService, server: grpc.aio.Server) -> None:
-    """Register ``swarmnode.TensorStream/Open`` (frames pass as bytes; stream_wire builds them)."""
+def add_tensor_stream_to_server(service: TensorStreamService, server: grpc.aio.Server,
+                                method: str = OPEN_METHOD) -> None:
+    """Register ``service`` as ``method`` (default ``swarmnode.TensorStream/Open``; a role may
+    serve the same protocol under its own method, e.g. ``/swarmnode.NoLoCo/Exchange``, so its
+    calls keep their own limits). Frames pass as bytes: stream_wire builds and parses them."""
+    svc, name = method.strip("/").rsplit("/", 1)
     handler = grpc.stream_stream_rpc_method_handler(service.Open)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(STREAM_SERVICE, {"Open": handler}),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(svc, {name: handler}),))

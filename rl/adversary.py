@@ -1,4 +1,4 @@
-"""TEST AND BENCHMARK ONLY: the poisoned-rollout attack simulator (grpo.md §5, ``[grpo.adversary]``).
+"""TEST AND BENCHMARK ONLY: the poisoned-rollout attack simulator (docs/grpo.md, 'Attack harness'; ``[grpo.adversary]``).
 
 A pure transform of an honest round: the attacker keeps the round's prompts and prompt ids, and
 replaces (a ``fraction`` of) its completions with crafted ones. Tasks are public, so it answers

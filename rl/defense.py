@@ -1,6 +1,6 @@
 """Poisoned-rollout defenses for a GRPO learner: glue between ``rl/learner.py`` and ``security/``.
 
-Per round, in the validation order of grpo.md §3 (after signature, schema and caps):
+Per round, in the order of docs/grpo.md, 'Defenses' (after signature, schema and caps):
 
 1. ``admit`` (before mixing): a rate-banned sender's batches are dropped unopened; each sender's
    completions past its per-round token budget are dropped (both counted as ``quota``); only the
@@ -13,7 +13,7 @@ Per round, in the validation order of grpo.md §3 (after signature, schema and c
    the rows in its scope (``judge``). Every checked row feeds the sender's rejection rate; a
    sustained rate bans the sender (``on_ban``). Dropped rows leave the advantages and the loss.
 
-Verdicts of the content checks never feed the transport's strike counter (grpo.md §4.3).
+Verdicts of the content checks never feed the transport's strike counter (docs/grpo.md, 'Defenses').
 """
 
 from __future__ import annotations

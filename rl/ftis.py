@@ -1,6 +1,6 @@
 """F-TIS (pure torch): truncated importance weights and the KL filter for shared rollouts.
 
-Owns grpo.md §2 [rec]: for each sample, w_{i,t} = min(exp(l_{i,t} - gen_logp_{i,t}), C)
+Owns docs/grpo.md, 'F-TIS': for each sample, w_{i,t} = min(exp(l_{i,t} - gen_logp_{i,t}), C)
 (detached, truncated from above only); KL_i = mean_t (gen_logp - sg(l)); a sample is dropped
 (M_i = 0) iff A_i < 0 and KL_i > delta — positives are always kept. Local samples use the same
 formula (w ~ 1). Three modes share one code path (`ftis_loss`):

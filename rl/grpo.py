@@ -1,6 +1,6 @@
 """GRPO math (pure torch): mixed-group advantages, the clipped surrogate, k3 KL, loss aggregation.
 
-Owns grpo.md §1. Samples are flat rows i = 0..N-1 (local and foreign completions alike), each with
+Owns the loss of docs/grpo.md, 'GRPO loss'. Samples are flat rows i = 0..N-1 (local and foreign completions alike), each with
 a `group` id (its prompt), a reward in [0, 1] recomputed locally, and per-token tensors [N, L]
 right-padded with `mask` False on padding and after the end. Importance weights and the F-TIS
 filter (`rl/ftis.py`) enter as `weights` [N, L] and `keep` [N]; plain GRPO passes neither.
@@ -78,7 +78,7 @@ def aggregate(token_loss: Tensor, mask: Tensor, agg: LossAgg = "sample", *,
               n_slots: int | None = None, max_len: int | None = None,
               n_tokens_total: float | None = None, n_samples_total: float | None = None,
               ) -> Tensor:
-    """Reduce ell [N, L] to a scalar per grpo.md §1.
+    """Reduce ell [N, L] to a scalar (docs/grpo.md, 'GRPO loss').
 
     sample  (1/S) sum_i (1/L_i) sum_t m ell      S = n_slots (round config; default N rows).
             Length-robust: one completion's pull is bounded whatever its length, and arrivals

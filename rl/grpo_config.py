@@ -3,9 +3,11 @@
 Owns the section's schema, its cross-field checks and the *round config hash*: the swarm-wide
 part of the settings (task, B, G, sampling, completion cap, round length, tokenizer, wire
 version) that every peer of a run must share, hashed into ``config_hash`` and carried in every
-rollout batch (grpo.md §3). Learner knobs (mode, C, delta, lr, aggregation, warm-up) stay local
-and may differ between peers. Imports only pydantic and the standard library (config checks
-must not import torch).
+rollout batch (docs/grpo.md, 'Rounds'). Learner knobs (mode, C, delta, lr, aggregation, warm-up) stay local
+and may differ between peers. The run knobs (``exit_after`` in trained rounds, once called
+``exit_after_rounds``, ``eval_every``, ``torch_threads``) come from ``node.run_settings.RunSettings``.
+Imports only pydantic, the standard library and ``node.run_settings`` (config checks must not
+import torch).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from node.run_settings import RunSettings
 
 DEFAULT_RGYM_DATASETS = ("basic_arithmetic", "chain_sum", "base_conversion", "gcd", "lcm", "leg_counting",
                          "decimal_arithmetic", "fraction_simplification", "propositional_logic")
@@ -27,7 +31,7 @@ ATTACK_MODES = ("inject", "edit", "fake_logp", "verbose")
 
 class AdversaryConfig(BaseModel):
     """``[grpo.adversary]``: TEST AND BENCHMARK ONLY. Turns this peer into an attacker that poisons
-    the rollouts it publishes (grpo.md §5, rl/adversary.py). Refused unless every listen and peer
+    the rollouts it publishes (docs/grpo.md, 'Attack harness'; rl/adversary.py). Refused unless every listen and peer
     address is loopback; the peer logs a WARNING banner and its card says ``adversary``."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -54,7 +58,7 @@ class AdversaryConfig(BaseModel):
 
 class DefenseConfig(BaseModel):
     """``[grpo.defense]``: content checks on foreign rollouts and the per-sender policy
-    (grpo.md §4; the checks live in security/rollout_filters.py, security/judge.py,
+    (docs/grpo.md, 'Defenses'; the checks live in security/rollout_filters.py, security/judge.py,
     security/sender_policy.py). On by default."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -136,10 +140,11 @@ class DefenseConfig(BaseModel):
     the rest is dropped as ``quota``."""
 
 
-class GRPOConfig(BaseModel):
-    """``[grpo]``: one collaborative GRPO learner (see grpo.md)."""
+class GRPOConfig(RunSettings):
+    """``[grpo]``: one collaborative GRPO learner (see docs/grpo.md)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    legacy_keys = {"exit_after_rounds": "exit_after"}
 
     # ---- swarm-wide round config (hashed into config_hash; must match across peers) ----
     task: Literal["arith", "rgym"] = "arith"
@@ -232,7 +237,7 @@ class GRPOConfig(BaseModel):
     """Advantage normalisation: std within the group, over the round, or none (Dr.GRPO)."""
 
     loss_agg: Literal["sample", "seq", "token", "dr_grpo"] = "sample"
-    """Loss aggregation (grpo.md §1); ``sample`` bounds one completion's pull whatever its
+    """Loss aggregation (docs/grpo.md, 'GRPO loss'); ``sample`` bounds one completion's pull whatever its
     length (robust to verbose senders)."""
 
     mask_truncated: bool = True
@@ -304,20 +309,19 @@ class GRPOConfig(BaseModel):
     temperature, fixed seed). More: less noise, slower evaluations."""
 
     eval_every: int = Field(5, ge=0)
-    """Held-out accuracy every this many trained rounds (0 = only at start and end)."""
-
-    exit_after_rounds: int = Field(0, ge=0)
-    """Drain and exit 0 after this many trained rounds (0 = run until stopped). The demo and
-    tests use it."""
-
-    torch_threads: int = Field(0, ge=0)
-    """Intra-op torch threads (0 = torch's default). Set 1 when several peers share a machine."""
+    """Held-out accuracy every this many trained rounds (0 = only at start and end). Each
+    evaluation samples ``heldout_size`` x ``eval_samples`` completions: raise it when rounds
+    run late (``grpo_round_skipped``)."""
 
     @model_validator(mode="after")
     def _cross(self) -> "GRPOConfig":
         if self.min_operands > self.max_operands:
             raise ValueError(f"grpo.min_operands={self.min_operands} is above grpo.max_operands="
                              f"{self.max_operands}")
+        if self.checkpoint_every:
+            raise ValueError(f"grpo.checkpoint_every={self.checkpoint_every}: the grpo role writes no checkpoints "
+                             "(a restarted peer re-warms from grpo.warmup_cache_dir and rejoins on the round "
+                             "clock); leave it at 0")
         return self
 
     def round_config(self, tokenizer_hash: str, chat_template_hash: str = "") -> dict:

@@ -29,7 +29,7 @@ def node_settings(steps: int) -> list[str]:
     """``--set`` overrides every peer gets (the user's own ``--set`` come after and win)."""
     # sums of two operands 0-5 (36 problems): learnable by RL within tens of rounds on a CPU
     return ["grpo.torch_threads=1", "grpo.round_s=2", "grpo.eval_every=10", "grpo.max_operand=5",
-            "model.max_seq_len=64", "card.ttl_s=10", "card.refresh_s=2", f"grpo.exit_after_rounds={steps}"]
+            "model.max_seq_len=64", "card.ttl_s=10", "card.refresh_s=2", f"grpo.exit_after={steps}"]
 
 
 def worker_settings(index: int) -> list[str]:
@@ -48,6 +48,15 @@ PROGRESS_METRICS = {
 
 PROGRESS_COLUMNS = {"reward": "reward_end", "accuracy": "accuracy_end", "peers": "peers"}
 """Label -> row key of what each progress line shows per peer after its round count."""
+
+COUNT_KEYS = ("peers",)
+"""Row keys that are counts: the progress lines print them as integers (``peers 2``)."""
+
+FIGURES = ("rounds",)
+"""The role-neutral summary keys a grpo peer has: its rounds. It has no held-out loss (held-out
+accuracy and reward instead: ``SUMMARY_KEYS``), no outer rounds, and its GRPO surrogate loss does
+not measure progress (advantages are centred per group, so it sits near 0 whatever the policy
+learned): those keys stay out of ``--json`` instead of reading as 0."""
 
 FINISHED_EVENT = "training_finished"
 """The log event a peer writes once, with its exact final figures, when training ends."""

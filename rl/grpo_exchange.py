@@ -1,6 +1,6 @@
 """How `grpo` peers exchange rollout batches: signing, bus shards, the DHT index, gRPC Fetch, the inbox.
 
-Owns grpo.md §3 steps 3-5 and §7's transport:
+Owns steps 2-3 of docs/grpo.md, 'Rounds' (publish, collect) and the inbox:
 
 - **Signing.** A batch travels as (body, signature): body = ``rl.rollout.encode(batch)`` (8 bytes
   per token, no text, no reward), signature = Ed25519 by the node key over

@@ -1,13 +1,22 @@
-"""Prometheus series of the ``grpo`` role (grpo.md §7), declared once on the node registry.
+"""Prometheus series of the ``grpo`` role, declared once on the node registry, and the figures a
+peer keeps over its rounds (:class:`Tally`).
 
 Only the GRPO series live here; train loss/steps/tokens are the shared ``node/metrics.py``
-series (set through ``record_train_step``). Set from the role's round loop and its compute
+series (the role's per-round report sets them). Set from the role's round loop and its compute
 thread (prometheus-client is thread-safe). No per-peer labels: per-sender figures go to logs.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from node.metrics import REGISTRY
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rl.learner import TrainStats
 
 ROLLOUTS = Counter("swarmnode_grpo_rollouts_total",
                    "Completions used in GRPO steps, by source (local = own, peer = foreign).",
@@ -73,3 +82,61 @@ for _outcome in ("ok", "solo", "skipped"):
 for _direction in ("sent", "received"):
     WIRE_BYTES.labels(direction=_direction)
     WIRE_TOKENS.labels(direction=_direction)
+
+
+@dataclass
+class Tally:
+    """What a peer counts over its rounds: the figures of its ``training_finished`` event."""
+
+    trained: int = 0
+    """Rounds this peer trained (or, as the test harness's attacker, published) on."""
+    skipped: int = 0
+    """Rounds it was not ready for in time (``grpo.start_slack_frac``)."""
+    next_round: int = 0
+    """The next round of the clock this peer may take."""
+    rewards: list[float] = field(default_factory=list)
+    accuracy_start: float | None = None
+    accuracy_last: float | None = None
+    warmup_steps: int = 0
+
+    def reward_span(self) -> tuple[float, float]:
+        """Mean local reward of the first and of the last (up to) 5 rounds."""
+        k = max(1, min(5, len(self.rewards) // 4))
+        return sum(self.rewards[:k]) / k, sum(self.rewards[-k:]) / k
+
+
+def record_sent(n_bytes: int, n_tokens: int) -> float:
+    """A published batch; returns its payload bytes per completion token."""
+    WIRE_BYTES.labels(direction="sent").inc(n_bytes)
+    WIRE_TOKENS.labels(direction="sent").inc(n_tokens)
+    per_token = n_bytes / max(n_tokens, 1)
+    BYTES_PER_TOKEN.set(per_token)
+    return per_token
+
+
+def record_received(senders: int, tokens: int) -> None:
+    """The round's validated foreign batches: how many peers, how many tokens."""
+    PEERS_SEEN.set(senders)
+    PEERS_SEEN_HIST.observe(senders)
+    WIRE_TOKENS.labels(direction="received").inc(tokens)
+
+
+def record_step(st: "TrainStats", r: int, first: bool) -> None:
+    """One trained round's step figures (``first``: also the initial reward)."""
+    if first:
+        REWARD_INITIAL.set(st.reward_local)
+    REWARD.set(st.reward_local)
+    ROUND.set(r)
+    ROUNDS.labels(outcome="ok" if st.n_foreign else "solo").inc()
+    ROLLOUTS.labels(source="local").inc(st.n_local)
+    ROLLOUTS.labels(source="peer").inc(st.n_foreign)
+    FILTERED_FRAC.set(st.filtered_frac)
+    FILTERED.inc(st.filtered)
+    WEIGHT_MEAN.set(st.weight_mean)
+    TRUNCATED_RATIO.set(st.truncated_frac)
+    KL_GEN_LOCAL.set(st.kl_foreign)
+
+
+def record_eval(accuracy: float, marker_rates: dict[str, float]) -> None:
+    ACCURACY.set(accuracy)
+    MARKER_RATE.set(max(marker_rates.values(), default=0.0))

@@ -1,6 +1,6 @@
 """One GRPO learner's round work, transport-free: generate, build the batch, mix, re-score, step.
 
-Owns what a `grpo` peer does with its policy each round (grpo.md §3 steps 1, 2, 6, 7), so that the
+Owns what a `grpo` peer does with its policy each round (docs/grpo.md, 'Rounds': generate and step), so that the
 role (rl/grpo_role.py: timing, transport, signing, metrics) and the in-process benchmark variant
 (benchmarks/grpo_swarm.py) run the same code:
 

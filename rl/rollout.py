@@ -1,6 +1,6 @@
 """Rollout batch wire format (pure, no pickle): codec, validation with reasons, bytes to sign.
 
-Owns the payload a `grpo` peer publishes each round (grpo.md §2, §3): per completion the token
+Owns the payload a `grpo` peer publishes each round (docs/grpo.md, 'Rollout wire format'): per completion the token
 ids (int32 LE) and the generator's per-token log-probs (float32 LE), 8 bytes per token, plus the
 batch header (run, round, sender, tokenizer hash, sampling temperature, config hash, model id)
 and prompt ids. No text, no reward: the receiver regenerates prompts from their ids and computes

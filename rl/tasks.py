@@ -1,6 +1,6 @@
 """Verifiable tasks for GRPO: prompts seeded by (run, round), held-out split, local verifiers.
 
-Owns grpo.md §3 "Tasks": every peer rebuilds the same prompts from (run, round) alone, so only
+Owns docs/grpo.md, 'Tasks': every peer rebuilds the same prompts from (run, round) alone, so only
 `prompt_id`s travel, and every reward is computed here from the completion text by the receiver
 (never taken from a sender).
 

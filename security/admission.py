@@ -1,4 +1,4 @@
-"""Admission tokens (security.md §3, token mode): issue, encode and verify.
+"""Admission tokens (docs/security.md, 'Admission tokens'): issue, encode and verify.
 
 Owns the token format and the rules for accepting one. A token is the protobuf
 ``protocol.admission_pb2.AdmissionToken{run_id, peer_id, roles, not_before, expires_at, serial}``

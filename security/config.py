@@ -1,9 +1,9 @@
-"""The ``[security]`` and ``[limits]`` config sections (security.md §3, §5, §6), imported by
+"""The ``[security]`` and ``[limits]`` config sections (docs/security.md), imported by
 ``node/config.py``.
 
 Owns the knobs of peer authentication, admission and the per-peer limits; the checks
 themselves live in ``security/peer_auth.py``, ``security/admission.py``, ``security/limits.py``
-and are wired into the gRPC host by ``node/grpc_server.py``. Pure pydantic (no grpc import).
+and are wired into the gRPC host by ``node/call_guard.py``. Pure pydantic (no grpc import).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class _Section(BaseModel):
 class SecurityConfig(_Section):
     peer_auth: Literal["signed", "none"] = "signed"
     """``signed``: every gRPC call between nodes carries the caller's peer ID, time, nonce and an
-    Ed25519 signature, verified by the receiver (security.md §5). ``none`` turns that off and is
+    Ed25519 signature, verified by the receiver (docs/security.md, 'Signed calls'). ``none`` turns that off and is
     accepted only when every listen and peer address is loopback (local demos and tests)."""
 
     clock_window_s: float = Field(60.0, ge=5, le=600)

@@ -1,4 +1,4 @@
-"""Judges of peers' completions (grpo.md §4.2): a rule judge for the built-in ``arith`` task, a
+"""Judges of peers' completions (docs/grpo.md, 'Defenses'): a rule judge for the built-in ``arith`` task, a
 local LLM judge, and the verdict cache.
 
 A judge answers SAFE (True) or UNSAFE (False) for a completion text given the task text:

@@ -6,7 +6,7 @@ Owns the on-disk key format and everything that maps a key to a libp2p peer ID:
   varint) = 1 (Ed25519), field 2 (``Data``) = 64 bytes seed‖public key. This is the form p2pd
   loads through hivemind's ``identity_path``, so the DHT's peer ID equals ``peer_id_str(key)``.
   The few protobuf bytes are encoded by hand: importing a second ``crypto.pb`` definition would
-  clash with hivemind's in protobuf's default pool (see security.md §10).
+  clash with hivemind's in protobuf's default pool (see docs/security.md, 'Process separation').
 * Peer ID = identity multihash (``0x00``, length, ``PublicKey`` protobuf), base58btc
   ``12D3KooW…``; the public key is inside it, so a signature is checked from the peer ID alone.
   ``Qm…`` IDs (sha256 multihash of an RSA key, what hivemind's ``generate_identity`` makes) are

@@ -1,4 +1,4 @@
-"""Per-peer rate limits, per-service concurrency caps and the local ban list (security.md §6).
+"""Per-peer rate limits, per-service concurrency caps and the local ban list (docs/security.md, 'Limits and bans').
 
 Owns the accounting, not the transport: the gRPC host calls these before doing work and maps a
 :class:`LimitExceeded` to its gRPC status (``exc.code_name``).

@@ -1,6 +1,7 @@
-"""Peer authentication on gRPC (security.md §5, §8): signed call envelopes, client and server side.
+"""Peer authentication on gRPC: signed call envelopes, client and server side.
 
-Owns the envelope format and its checks; the gRPC host wires them in.
+Owns the envelope format and its checks; the gRPC host puts :class:`AuthStep` in its call
+pipeline (security/call_pipeline.py), between the ban screen and the limits.
 
 Client: :class:`CallSigner` + :func:`client_interceptors` (grpc.aio; unary-unary,
 unary-stream, stream-unary, stream-stream) add to every call
@@ -20,8 +21,7 @@ Server: :class:`PeerAuthenticator` checks, cheapest first: metadata present and 
 ``|now - ts| <= window_s`` -> Ed25519 peer ID -> peer known (``is_known_peer``) -> admission
 token (``check_token``, token mode) -> nonce unseen -> signature. The nonce is recorded only
 after the signature verifies, so forged calls cannot fill an honest peer's nonce cache. Since
-interceptors do not see the body, checking is done by a thin handler wrapper
-(:func:`wrap_method_handler`, :class:`AuthenticatedGenericHandler`, :func:`add_servicer`),
+interceptors do not see the body, checking is a step of the call pipeline (:class:`AuthStep`),
 which reads raw request bytes, verifies, then deserializes with the service's own
 deserializer, and exposes the verified caller to the handler via :func:`verified_peer`.
 Handlers of request streams must consume the request iterator (not ``context.read()``).
@@ -39,7 +39,6 @@ import collections
 import contextvars
 import dataclasses
 import hashlib
-import inspect
 import os
 import threading
 import time
@@ -50,13 +49,14 @@ import grpc
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from protocol.channels import install_auth
+from security.call_pipeline import Call, Step
 from security.keys import RecordRejected, peer_id_str, public_key_of, verify
 
 __all__ = [
     "HDR_PEER", "HDR_TS", "HDR_NONCE", "HDR_SIG", "HDR_TOKEN", "REASON_CODES", "AuthFailure", "Envelope",
     "signing_bytes", "body_digest", "CallSigner", "client_interceptors", "NonceCache",
-    "PeerAuthenticator", "verified_peer", "current_peer", "wrap_method_handler", "AuthenticatedGenericHandler",
-    "add_servicer", "ClientAuth", "set_client_auth", "client_auth", "UnresolvedTarget",
+    "PeerAuthenticator", "verified_peer", "current_peer", "AuthStep", "ClientAuth", "set_client_auth", "client_auth", "UnresolvedTarget",
 ]
 
 HDR_PEER, HDR_TS = "x-swarmnode-peer", "x-swarmnode-ts"
@@ -443,7 +443,7 @@ class PeerAuthenticator:
 
 
 def verified_peer(context: Any = None) -> str:
-    """The caller's verified peer ID inside a handler wrapped by :func:`wrap_method_handler`."""
+    """The caller's verified peer ID inside a handler behind an :class:`AuthStep`."""
     peer = _verified_peer.get()
     if peer is None:
         raise RuntimeError("no verified peer: this handler is not wrapped by security.peer_auth")
@@ -454,6 +454,9 @@ def current_peer() -> str | None:
     """The verified caller inside a wrapped handler, or None where calls are not authenticated
     (``security.peer_auth = "none"``, tests with bare servers)."""
     return _verified_peer.get()
+
+
+install_auth(client_auth, current_peer)  # protocol's channels sign calls and its streams check callers through these
 
 
 def _digests(raw: bytes | None, deserializer, parsed) -> Iterable[bytes]:
@@ -467,47 +470,60 @@ def _digests(raw: bytes | None, deserializer, parsed) -> Iterable[bytes]:
             yield d
 
 
-def wrap_method_handler(handler: grpc.RpcMethodHandler, method: str, auth: PeerAuthenticator, *,
-                        first_frame_timeout_s: float | None = 10.0) -> grpc.RpcMethodHandler:
-    """Return ``handler`` with authentication in front (grpc.aio; coroutine or async-generator
-    behaviours). The wrapped handler receives raw bytes and deserializes them itself."""
-    deser = handler.request_deserializer
+class AuthStep(Step):
+    """The signed envelope as a step of the call pipeline (security/call_pipeline.py): the
+    handler behind it gets parsed requests from a verified caller (:func:`verified_peer`), or
+    the call is refused with the failure's status. The step parses requests itself (it needs
+    the raw bytes to check the signature), so a request that is not the method's message is an
+    ``AuthFailure("body")``. A request stream must send its first (signed) message within
+    ``first_frame_timeout_s`` (None: wait as long as the call lasts)."""
 
-    async def fail(context, failure: AuthFailure):
-        auth.reject(failure, _remote(context))
+    parses = True
+
+    def __init__(self, auth: PeerAuthenticator, *, first_frame_timeout_s: float | None = 10.0):
+        self.auth, self.first_frame_timeout_s = auth, first_frame_timeout_s
+
+    async def enter(self, call: Call) -> None:
+        try:
+            if call.request_streaming:
+                call.request = await self._authenticate_stream(call)
+            else:
+                call.request = await self._authenticate_unary(call)
+        except AuthFailure as failure:
+            await self._fail(call.context, failure)
+
+    async def _fail(self, context, failure: AuthFailure) -> None:
+        self.auth.reject(failure, _remote(context))
         await context.abort(failure.code, failure.message)
 
-    def parse(raw: bytes, peer: str | None):
-        if deser is None:
+    @staticmethod
+    def _parse(call: Call, raw: bytes, peer: str | None):
+        if call.deserializer is None:
             return raw
         try:
-            return deser(raw)
+            return call.deserializer(raw)
         except Exception:  # noqa: BLE001 - DecodeError and friends
-            raise AuthFailure("body", f"request to {method} is not a valid message", peer_id=peer,
+            raise AuthFailure("body", f"request to {call.method} is not a valid message", peer_id=peer,
                               authenticated=_verified_peer.get() is not None) from None
 
-    async def authenticate_unary(raw: bytes, context):
-        env = await auth.check_envelope_async(method, context.invocation_metadata())
-        req = parse(raw, env.peer_id)
-        peer = auth.finish(env, _digests(raw, deser, req))
-        _verified_peer.set(peer)
+    async def _authenticate_unary(self, call: Call):
+        env = await self.auth.check_envelope_async(call.method, call.context.invocation_metadata())
+        req = self._parse(call, call.request, env.peer_id)
+        _verified_peer.set(self.auth.finish(env, _digests(call.request, call.deserializer, req)))
         return req
 
-    async def authenticate_stream(request_iterator, context):
-        env = await auth.check_envelope_async(method, context.invocation_metadata())
-        it = request_iterator.__aiter__()
+    async def _authenticate_stream(self, call: Call):
+        env = await self.auth.check_envelope_async(call.method, call.context.invocation_metadata())
+        it, timeout_s = call.request.__aiter__(), self.first_frame_timeout_s
         try:
-            if first_frame_timeout_s is None:
-                first_raw = await it.__anext__()
-            else:
-                first_raw = await asyncio.wait_for(it.__anext__(), first_frame_timeout_s)
+            first_raw = await (it.__anext__() if timeout_s is None else asyncio.wait_for(it.__anext__(), timeout_s))
         except StopAsyncIteration:
             first_raw = None
         except asyncio.TimeoutError:
-            raise AuthFailure("first_frame_timeout", f"request stream to {method} sent no first message within "
-                              f"{first_frame_timeout_s:g} s", peer_id=env.peer_id) from None
-        first = None if first_raw is None else parse(first_raw, env.peer_id)
-        peer = auth.finish(env, _digests(first_raw, deser, first))
+            raise AuthFailure("first_frame_timeout", f"request stream to {call.method} sent no first message "
+                              f"within {timeout_s:g} s", peer_id=env.peer_id) from None
+        first = None if first_raw is None else self._parse(call, first_raw, env.peer_id)
+        peer = self.auth.finish(env, _digests(first_raw, call.deserializer, first))
         _verified_peer.set(peer)
 
         async def requests():
@@ -516,63 +532,10 @@ def wrap_method_handler(handler: grpc.RpcMethodHandler, method: str, auth: PeerA
             yield first
             async for raw in it:
                 try:
-                    yield parse(raw, peer)
+                    yield self._parse(call, raw, peer)
                 except AuthFailure as failure:
-                    await fail(context, failure)
+                    await self._fail(call.context, failure)
         return requests()
-
-    async def call_unary_response(behavior, arg, context):
-        result = behavior(arg, context)
-        return await result if inspect.isawaitable(result) else result
-
-    async def stream_response(behavior, arg, context):
-        result = behavior(arg, context)
-        if inspect.isawaitable(result):  # coroutine handler writing with context.write()
-            await result
-            return
-        if hasattr(result, "__aiter__"):
-            async for item in result:
-                yield item
-        else:
-            for item in result:
-                yield item
-
-    if not handler.request_streaming and not handler.response_streaming:
-        async def unary_unary(raw, context):
-            try:
-                req = await authenticate_unary(raw, context)
-            except AuthFailure as failure:
-                await fail(context, failure)
-            return await call_unary_response(handler.unary_unary, req, context)
-        return handler._replace(request_deserializer=None, unary_unary=unary_unary)
-
-    if not handler.request_streaming:
-        async def unary_stream(raw, context):
-            try:
-                req = await authenticate_unary(raw, context)
-            except AuthFailure as failure:
-                await fail(context, failure)
-            async for item in stream_response(handler.unary_stream, req, context):
-                yield item
-        return handler._replace(request_deserializer=None, unary_stream=unary_stream)
-
-    if not handler.response_streaming:
-        async def stream_unary(request_iterator, context):
-            try:
-                reqs = await authenticate_stream(request_iterator, context)
-            except AuthFailure as failure:
-                await fail(context, failure)
-            return await call_unary_response(handler.stream_unary, reqs, context)
-        return handler._replace(request_deserializer=None, stream_unary=stream_unary)
-
-    async def stream_stream(request_iterator, context):
-        try:
-            reqs = await authenticate_stream(request_iterator, context)
-        except AuthFailure as failure:
-            await fail(context, failure)
-        async for item in stream_response(handler.stream_stream, reqs, context):
-            yield item
-    return handler._replace(request_deserializer=None, stream_stream=stream_stream)
 
 
 def _remote(context) -> str | None:
@@ -580,46 +543,3 @@ def _remote(context) -> str | None:
         return context.peer()
     except Exception:  # noqa: BLE001
         return None
-
-
-class AuthenticatedGenericHandler(grpc.GenericRpcHandler):
-    """Wraps another generic handler; methods in ``exempt`` (full names, e.g. the health check)
-    pass unauthenticated."""
-
-    def __init__(self, inner: grpc.GenericRpcHandler, auth: PeerAuthenticator, *, exempt: Iterable[str] = (),
-                 first_frame_timeout_s: float | None = 10.0):
-        self.inner, self.auth, self.exempt = inner, auth, frozenset(exempt)
-        self.first_frame_timeout_s = first_frame_timeout_s
-        self._cache: dict[str, grpc.RpcMethodHandler] = {}
-
-    def service(self, handler_call_details):
-        method = handler_call_details.method
-        handler = self.inner.service(handler_call_details)
-        if handler is None or method in self.exempt:
-            return handler
-        wrapped = self._cache.get(method)
-        if wrapped is None or self._cache.get(method + "\0inner") is not handler:
-            wrapped = wrap_method_handler(handler, method, self.auth, first_frame_timeout_s=self.first_frame_timeout_s)
-            self._cache[method], self._cache[method + "\0inner"] = wrapped, handler
-        return wrapped
-
-
-class _ShimServer:
-    def __init__(self, server, auth: PeerAuthenticator, first_frame_timeout_s):
-        self._server, self._auth, self._t = server, auth, first_frame_timeout_s
-
-    def add_generic_rpc_handlers(self, handlers):
-        self._server.add_generic_rpc_handlers(
-            tuple(AuthenticatedGenericHandler(h, self._auth, first_frame_timeout_s=self._t) for h in handlers))
-
-    def add_registered_method_handlers(self, service_name, method_handlers):
-        self._server.add_registered_method_handlers(service_name, {
-            name: wrap_method_handler(h, f"/{service_name}/{name}", self._auth, first_frame_timeout_s=self._t)
-            for name, h in method_handlers.items()})
-
-
-def add_servicer(add_fn: Callable[[Any, Any], None], servicer: Any, server: Any, auth: PeerAuthenticator, *,
-                 first_frame_timeout_s: float | None = 10.0) -> None:
-    """``add_servicer(node_pb2_grpc.add_NodeServicer_to_server, servicer, server, auth)``: like the
-    generated adder, with every method (generic and registered paths) authenticated."""
-    add_fn(servicer, _ShimServer(server, auth, first_frame_timeout_s))

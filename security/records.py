@@ -1,4 +1,4 @@
-"""Signed, owner-bound DHT records (security.md §4): the hivemind validator and the value codec.
+"""Signed, owner-bound DHT records (docs/security.md, 'Signed DHT records'): the hivemind validator and the value codec.
 
 Owns what a swarmnode record looks like in the DHT and the rules for accepting one. A node
 publishes with ``subkey = its own base58 peer ID``; only the holder of that peer's key can
@@ -209,7 +209,7 @@ class SignedRecordValidator(RecordValidatorBase):
         if coordinator_peer_id is not None:
             public_key_of(coordinator_peer_id)  # raises RecordRejected (ValueError) for a bad ID
         self.coordinator_peer_id = coordinator_peer_id
-        # token mode (security.md §3): sign_value attaches our admission token as envelope field
+        # token mode (docs/security.md, 'Admission tokens'): sign_value attaches our admission token as envelope field
         # "t"; _check requires a valid one for every writer but the coordinator
         if require_admission and coordinator_peer_id is None:
             raise ValueError("require_admission needs coordinator_peer_id (security.coordinator_peer_id)")
@@ -372,7 +372,7 @@ class SignedRecordValidator(RecordValidatorBase):
         return msgpack.packb({k: v for k, v in env.items() if k not in ("s", "t")}, use_bin_type=True)
 
 
-Ed25519PeerIdValidator = SignedRecordValidator  # the name used in security.md §4
+Ed25519PeerIdValidator = SignedRecordValidator  # an older name, kept for callers
 
 
 async def read_rejections(dht: Any, node: Any) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """Content checks on peers' rollouts for same-model senders: token support, probability floor,
-claimed log-probs (grpo.md §4.1, the logit / token-support check [rec from HTTT]).
+claimed log-probs (the logit / token-support check of docs/grpo.md, 'Defenses').
 
 An honest homogeneous sample came from our model and our sampler, so, per token, on the
 receiver's re-scoring pass (the same teacher-forced forward that serves the gradient and F-TIS:

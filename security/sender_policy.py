@@ -1,5 +1,5 @@
-"""Per-sender rejection-rate bans and per-round token budgets for peers' rollouts (grpo.md §4.3,
-§4.4).
+"""Per-sender rejection-rate bans and per-round token budgets for peers' rollouts (docs/grpo.md,
+'Defenses').
 
 - :class:`RejectionRatePolicy`: per sender, a window of its last ``window`` completions that
   reached a content check (logit check or judge). The sender is banned (security.limits.BanList,

@@ -1,4 +1,4 @@
-"""Pipeline-backdoor checks on a `stage` node's weights and outputs (pipeline.md §4, security.md §7).
+"""Pipeline-backdoor checks on a `stage` node's weights and outputs (docs/pipeline.md, 'Stage-integrity checks').
 
 The threat: the node serving one intermediate stage adds a small, offline-learned task vector to
 its own weights a little each step, outside the gradient path, so no single update looks large.
@@ -32,7 +32,7 @@ benchmarks call these and move the bytes):
 Every check returns a `CheckResult`: ``ok``, and when not ok one `Flag` per finding naming the
 check, the suspect, the tensor, the measured value and the limit. The caller reports flags to the
 coordinator (``ReportAnomaly``) and counts them in ``swarmnode_security_flags_total{check}``
-(security/integrity_metrics.py); the response (quarantine, re-plan, rebuild) is not decided here.
+(node/integrity_metrics.py); the response (quarantine, re-plan, rebuild) is not decided here.
 """
 
 from __future__ import annotations

@@ -5,5 +5,5 @@ and supervises the child, talks gRPC over a unix socket), ``wire`` is the pure m
 both sides agree on, ``config`` the ``[eventbus]`` section, ``metrics`` the daemon-side series.
 
 This package imports nothing itself, so ``python -m node.eventbus.sidecar`` loads only what
-the sidecar needs (py-libp2p and hivemind cannot share a process: ARCHITECTURE.md).
+the sidecar needs (py-libp2p and hivemind cannot share a process: docs/architecture.md, 'Processes').
 """

@@ -1,7 +1,7 @@
 """``[eventbus]``: the event-bus sidecar's settings (gossipsub over py-libp2p, reachability prober).
 
 Owns the section's schema and the checks between its fields. Imports only pydantic: the sidecar
-reads this module too, and it must stay free of hivemind (security.md §10).
+reads this module too, and it must stay free of hivemind (docs/security.md, 'Process separation').
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class EventBusConfig(BaseModel):
     ones are refused on publish and dropped (and their sender penalised) on receipt."""
 
     rollouts_max_bytes: int = Field(64 * KiB, ge=1 * KiB, le=1024 * KiB)
-    """Largest message on the ``rollouts`` topic (one GRPO prompt group per shard; security.md
-    caps gossip at 64 KiB). Bigger batches go through the DHT index + Fetch instead."""
+    """Largest message on the ``rollouts`` topic (one GRPO prompt group per shard; gossip is
+    capped at 64 KiB: docs/security.md, 'Process separation'). Bigger batches go through the DHT index + Fetch instead."""
 
     degree: int = Field(6, ge=1, le=32)
     """Gossipsub mesh degree D (peers each message is pushed to). Larger: lower latency, more

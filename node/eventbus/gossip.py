@@ -6,7 +6,7 @@ call, patched in the sidecar process only, never in the installed package): each
 would drop silently is counted under a reason; unsigned or forged messages also cost their
 forwarder score (gossipsub v1.1 P4), as do those the topic validators refuse.
 
-Runs only in the sidecar process (imports libp2p; never hivemind: security.md §10).
+Runs only in the sidecar process (imports libp2p; never hivemind: docs/security.md, 'Process separation').
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ gRPC service. The gossipsub adaptations live in ``gossip``, the reachability pro
 Process rules: this module NEVER imports hivemind, directly or through other ``node`` modules
 (only ``node.eventbus.config``/``wire``/``gossip``/``reach``, ``security.keys`` and
 ``protocol.eventbus_pb2*``): hivemind and py-libp2p register the same protobuf symbols
-(security.md §10). The child exits when its stdin closes (the daemon died), so it never
+(docs/security.md, 'Process separation'). The child exits when its stdin closes (the daemon died), so it never
 outlives its node.
 
 Threads: Trio runs libp2p on the main thread; the gRPC server's worker threads call into it with

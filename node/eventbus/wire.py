@@ -2,7 +2,7 @@
 
 Owns the run-scoped topic names, the exact bytes a gossipsub message signature covers (so the
 daemon verifies the originator's Ed25519 signature itself: the sidecar's output is untrusted
-input, security.md §1), and the ``swarm`` topic's notices (msgpack maps, strict schema).
+input, docs/security.md, 'Trust model'), and the ``swarm`` topic's notices (msgpack maps, strict schema).
 
 Pure: msgpack and ``security.keys`` only; no grpc, hivemind or libp2p import, so both the
 daemon and the sidecar may use it.

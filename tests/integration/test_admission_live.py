@@ -1,4 +1,4 @@
-"""Token admission on a live swarm (security.md §3, issue 7): ``security.admission = "token"``.
+"""Token admission on a live swarm (docs/security.md, 'Admission tokens'; issue 7): ``security.admission = "token"``.
 
 Real processes on 127.0.0.1: the bootstrap is the coordinator (its key signs the tokens, as
 ``swarmnode admit`` does), a ``noloco`` worker holds a 24 h token, and a second daemon ("short")

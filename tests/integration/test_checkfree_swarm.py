@@ -1,4 +1,4 @@
-"""CheckFree on a real swarm (issue 11, pipeline.md P26): a bootstrap (coordinator) and a pipeline
+"""CheckFree on a real swarm (issue 11; docs/pipeline.md, 'CheckFree recovery'): a bootstrap (coordinator) and a pipeline
 of `stage` processes on 127.0.0.1 train; every replica of one stage is SIGKILLed mid-run and a
 replacement started with `stage.checkfree.recover=true` and no weights rebuilds it from live peers
 (an interior stage with two replicas; an edge stage under CheckFree+). Two more scenarios: two
@@ -6,7 +6,7 @@ adjacent stages lost together (restored from checkpoints, never averaged), and o
 two lost (the replacement copies the survivor and steps bit-identically with it).
 
 Asserted: the coordinator notices the lost stage within 10 s and suspends the schedule; the
-replacement learns which stage to take, rebuilds it by the rule of pipeline.md §3.3 (interior:
+replacement learns which stage to take, rebuilds it by the rule of docs/pipeline.md, 'Which rule applies' (interior:
 gradient-norm weighted average of both neighbours at the same completed iteration; edge under
 CheckFree+: a copy of its swap partner), restarts with a fresh optimizer at lr_scale x LR, and
 the schedule resumes; no surviving node restarts (same process, every iteration stepped exactly

@@ -1,7 +1,7 @@
-"""The tensor codec over a real grpc.aio WeightService on 127.0.0.1.
+"""Tensor frames (``protocol/stream_wire.py``) over a real grpc.aio WeightService on 127.0.0.1.
 
-Both wirings are exercised: the generated stub/servicer (protobuf frames) and the fast
-path (``wire=True`` + ``serialize_frame`` on the server, ``parse_frame`` on the client).
+Both wirings are exercised: the generated stub/servicer (protobuf ``StreamFrame`` messages,
+which must interoperate with hand-built frames) and the fast path (frames pass as bytes).
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import grpc
 import pytest
 import torch
 
-from protocol import weights_pb2, weights_pb2_grpc
-from protocol.codec import (
-    TensorRejected, adecode_tensors, aencode_tensors, chunk_frame_bytes, parse_frame, serialize_frame,
-)
+from protocol import stream_pb2, weights_pb2, weights_pb2_grpc
+from protocol.codec import TensorRejected
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES, channel_options, server_options
+from protocol.stream_wire import DIGEST_BYTES, StreamAssembler, parse, tensor_frames
 
 MiB = 1 << 20
 TENSORS = {
@@ -24,22 +23,17 @@ TENSORS = {
 
 
 async def _fetch_frames(request, corrupt: bool, wire: bool):
-    """Serve ``TENSORS`` (or the one named by ``want``); optionally flip a byte in chunk 2."""
+    """Serve ``TENSORS`` (or the one named by ``want``); optionally flip a byte in chunk 1."""
     named = {k: v for k, v in TENSORS.items() if request.want in ("", "phi") or k == request.want}
     n = 0
-    async for frame in aencode_tensors(named, wire=wire):
-        n += 1
-        if corrupt and n == 3:  # header, chunk 0, chunk 1 <- corrupt this one
-            if wire:
-                chunk = parse_frame(frame)
-                data = bytearray(chunk.data)
-                data[1000] ^= 0xFF
-                frame = chunk_frame_bytes(chunk.offset, data)
-            else:
-                data = bytearray(frame.chunk.data)
-                data[1000] ^= 0xFF
-                frame.chunk.data = bytes(data)
-        yield frame
+    for seq, (name, tensor) in enumerate(named.items()):
+        for frame in tensor_frames(seq, name, tensor):
+            n += 1
+            if corrupt and n == 2:  # head + chunk 0, chunk 1 <- corrupt this one
+                data = bytearray(frame)
+                data[-1000 - (2 + DIGEST_BYTES if parse(frame).digest is not None else 0)] ^= 0xFF
+                frame = bytes(data)
+            yield frame if wire else stream_pb2.StreamFrame.FromString(frame)
 
 
 class _Servicer(weights_pb2_grpc.WeightServiceServicer):
@@ -69,8 +63,7 @@ async def server(request):
 
         srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmnode.WeightService", {
             "Fetch": grpc.unary_stream_rpc_method_handler(
-                fetch, request_deserializer=weights_pb2.FetchRequest.FromString,
-                response_serializer=serialize_frame)}),))
+                fetch, request_deserializer=weights_pb2.FetchRequest.FromString)}),))
 
         def set_corrupt(v):
             state["corrupt"] = v
@@ -84,8 +77,17 @@ def _method(channel, wiring):
     if wiring == "stub":
         return weights_pb2_grpc.WeightServiceStub(channel).Fetch
     return channel.unary_stream("/swarmnode.WeightService/Fetch",
-                                request_serializer=weights_pb2.FetchRequest.SerializeToString,
-                                response_deserializer=parse_frame)
+                                request_serializer=weights_pb2.FetchRequest.SerializeToString)
+
+
+async def _decode(call, max_tensor_bytes: int, expected=None):
+    """(name, tensor) for each tensor of a Fetch call, stub messages or raw bytes alike."""
+    asm = StreamAssembler(max_tensor_bytes, "limits.max_state_bytes", expected)
+    async for msg in call:
+        got = asm.feed(parse(msg if isinstance(msg, bytes) else msg.SerializeToString()))
+        if got is not None:
+            yield got.name, got.tensor
+    asm.finish()
 
 
 async def test_fetch_20mib_bit_exact(server):
@@ -94,7 +96,7 @@ async def test_fetch_20mib_bit_exact(server):
         call = _method(ch, wiring)(weights_pb2.FetchRequest(run_id="r", want="phi", round=3,
                                                             sender_peer_id="peer"), timeout=30)
         expected = {k: (v.dtype, tuple(v.shape)) for k, v in TENSORS.items()}
-        got = {n: t async for n, t in adecode_tensors(call, max_tensor_bytes=32 * MiB, expected=expected)}
+        got = {n: t async for n, t in _decode(call, max_tensor_bytes=32 * MiB, expected=expected)}
     assert list(got) == ["phi.w", "phi.b"]
     for k, v in TENSORS.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
@@ -106,7 +108,7 @@ async def test_corrupted_chunk_raises_checksum(server):
     async with grpc.aio.insecure_channel(addr, options=channel_options()) as ch:
         call = _method(ch, wiring)(weights_pb2.FetchRequest(run_id="r", want="phi.w"), timeout=30)
         with pytest.raises(TensorRejected) as ei:
-            async for _ in adecode_tensors(call, max_tensor_bytes=32 * MiB):
+            async for _ in _decode(call, max_tensor_bytes=32 * MiB):
                 pass
         call.cancel()
     assert ei.value.reason == "checksum" and "'phi.w'" in ei.value.message
@@ -117,7 +119,7 @@ async def test_cap_hit_before_download(server):
     async with grpc.aio.insecure_channel(addr, options=channel_options()) as ch:
         call = _method(ch, wiring)(weights_pb2.FetchRequest(run_id="r", want="phi.w"), timeout=30)
         with pytest.raises(TensorRejected) as ei:
-            async for _ in adecode_tensors(call, max_tensor_bytes=MiB):
+            async for _ in _decode(call, max_tensor_bytes=MiB):
                 pass
         call.cancel()
     assert ei.value.reason == "size" and "limits.max_state_bytes" in ei.value.message

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,8 +84,11 @@ def test_grpo_demo_reports_reward_and_accuracy_per_peer(tmp_path):
     assert code == 0, out[-3000:]
     lines = out.strip().splitlines()
     assert any("reward" in line and "accuracy" in line and "grpo-2:" in line for line in lines if line.startswith("["))
+    assert not any(re.search(r"peers \d+\.", line) for line in lines), "peer counts print as integers"
+    assert any(re.search(r"peers [12]\b", line) for line in lines), "no peer ever saw another's rollouts"
     summary = json.loads(lines[-1])
     assert {"accuracy_start", "accuracy_end", "reward_start", "reward_end", "rounds"} <= set(summary)
+    assert not {"eval_loss_start", "eval_loss_end", "loss_start", "loss_end", "rounds_ok"} & set(summary), summary
     assert summary["nodes"] == 3 and summary["rounds"] == 8
     assert all(0.0 <= summary[k] <= 1.0 for k in ("accuracy_start", "accuracy_end", "reward_start", "reward_end"))
     assert summary["accuracy_start"] > 0      # the warm-up gives a non-zero start

@@ -21,8 +21,9 @@ from node.netem import LinkEmulator, LinkSpec, NetemConfig
 from optimizers import exchange_common as W
 from optimizers.exchange import METHOD, OuterExchange, add_exchange_to_server
 from optimizers.roster import ROSTER_NAMESPACE
-from protocol import noloco_pb2_grpc
 from protocol.grpc_options import channel_options, server_options
+from protocol.stream_errors import StreamError
+from protocol.streams import open_stream
 from security.keys import generate_key, peer_id_str, write_key_file
 from security.records import SignedRecordValidator
 
@@ -59,9 +60,9 @@ def dhts(tmp_path_factory):
 
 
 class Worker:
-    def __init__(self, dht, peer_id, specs, cfg_hash, netem, generated):
+    def __init__(self, dht, peer_id, specs, cfg_hash, netem):
         self.dht, self.peer_id, self.rejects = dht, peer_id, []
-        self.specs, self.cfg_hash, self.netem, self.generated = specs, cfg_hash, netem, generated
+        self.specs, self.cfg_hash, self.netem = specs, cfg_hash, netem
 
     async def start(self):
         self.server = grpc.aio.server(options=server_options())
@@ -70,10 +71,7 @@ class Worker:
         self.ex = OuterExchange(run_id=RUN, peer_id=self.peer_id, cfg_hash=self.cfg_hash, grpc_addr=self.addr,
                                 dht=self.dht, specs=self.specs, netem=self.netem, poll_interval_s=0.1,
                                 on_reject=self.rejects.append)
-        if self.generated:
-            noloco_pb2_grpc.add_NoLoCoServicer_to_server(self.ex.servicer(), self.server)
-        else:
-            add_exchange_to_server(self.ex.servicer(), self.server)
+        add_exchange_to_server(self.ex.servicer(), self.server)
         await self.server.start()
         return self
 
@@ -82,9 +80,9 @@ class Worker:
         await self.server.stop(0)
 
 
-async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None, generated=False):
+async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None):
     """n workers sorted by ascending peer ID."""
-    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem, generated).start()
+    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem).start()
           for i, (d, p) in enumerate(dhts[:n])]
     return sorted(ws, key=lambda w: w.peer_id)
 
@@ -102,22 +100,21 @@ async def stop_all(ws):
 
 
 async def test_two_workers_exact_mean(dhts):
-    for generated in (False, True):  # our zero-copy handler, then the generated servicer
-        ws = await workers(dhts, 2, generated=generated)
-        try:
-            r = next_round()
-            a, b = tensors(1), tensors(2)
-            ra, rb = await asyncio.gather(ws[0].ex.pair_average(r, a, 10), ws[1].ex.pair_average(r, b, 10))
-            for res, other in ((ra, ws[1]), (rb, ws[0])):
-                assert (res.outcome, res.n, res.partners, res.reason) == ("ok", 2, [other.peer_id], "")
-                nbytes = sum(t.numel() * 4 for t in a)
-                assert res.sent_bytes == res.received_bytes == nbytes
-                assert 0 < res.exchange_s <= res.blocked_s < 10
-            for ma, mb, x, y in zip(ra.mean, rb.mean, a, b):
-                assert torch.equal(ma, (x + y) / 2) and torch.equal(ma, mb)
-            assert not ws[0].rejects and not ws[1].rejects
-        finally:
-            await stop_all(ws)
+    ws = await workers(dhts, 2)
+    try:
+        r = next_round()
+        a, b = tensors(1), tensors(2)
+        ra, rb = await asyncio.gather(ws[0].ex.pair_average(r, a, 10), ws[1].ex.pair_average(r, b, 10))
+        for res, other in ((ra, ws[1]), (rb, ws[0])):
+            assert (res.outcome, res.n, res.partners, res.reason) == ("ok", 2, [other.peer_id], "")
+            nbytes = sum(t.numel() * 4 for t in a)
+            assert res.sent_bytes == res.received_bytes == nbytes
+            assert 0 < res.exchange_s <= res.blocked_s < 10
+        for ma, mb, x, y in zip(ra.mean, rb.mean, a, b):
+            assert torch.equal(ma, (x + y) / 2) and torch.equal(ma, mb)
+        assert not ws[0].rejects and not ws[1].rejects
+    finally:
+        await stop_all(ws)
 
 
 async def test_four_staggered_all_pair(dhts):
@@ -208,14 +205,16 @@ async def test_nan_is_rejected(dhts):
             await stop_all(ws)
 
 
-async def _open(addr, **fields):
-    """Open Exchange with a hand-made header; return (reply header or None, status code, details)."""
+async def _open(addr, *, run_id, round, sender, cfg_hash, n_tensors, mode, spec_hash):  # noqa: A002
+    """Open Exchange with a hand-made hello; return (the refusal's reason, status code, details)."""
     async with grpc.aio.insecure_channel(addr, options=channel_options()) as ch:
-        call = ch.stream_stream(METHOD, request_serializer=W.serialize, response_deserializer=W.parse_wire)(timeout=5)
-        await call.write(W.header_frame(True, **fields))
-        reply = await call.read()
-        hdr = None if reply is grpc.aio.EOF else W.split(reply)[1]
-        return hdr, await call.code(), await call.details()
+        try:
+            stream = await open_stream(ch, run_id=run_id, sender=sender, channel_name=mode, max_tensor_bytes=MiB,
+                                       meta=W.hello_meta(round, cfg_hash, spec_hash, n_tensors), method=METHOD)
+        except StreamError as exc:
+            return exc.refusal, exc.code, exc.detail
+        stream.cancel()
+        return "", grpc.StatusCode.OK, ""
 
 
 def _random_peer_id(wanted, tries: int = 200_000) -> str:
@@ -239,7 +238,7 @@ async def test_bad_headers_rejected_and_counted(dhts):
         lower = _random_peer_id(lambda p: p < w.peer_id)
         higher = _random_peer_id(lambda p: p > w.peer_id)
         good = dict(run_id=RUN, round=r, sender=lower, cfg_hash=CFG, n_tensors=len(SPECS), mode="pair",
-                    spec_hash=W.spec_hash(SPECS), stage="open")
+                    spec_hash=W.spec_hash(SPECS))
         inv, pre = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
         cases = [
             (dict(run_id="other"), inv, "run"),
@@ -254,15 +253,15 @@ async def test_bad_headers_rejected_and_counted(dhts):
             (dict(mode="gather"), pre, "mode_mismatch"),
         ]
         for change, code, reason in cases:
-            hdr, got_code, details = await _open(w.addr, **{**good, **change})
-            assert got_code == code and hdr is not None and not hdr.accepted and hdr.reason == reason, (change, got_code)
+            refusal, got_code, details = await _open(w.addr, **{**good, **change})
+            assert got_code == code and refusal == reason, (change, got_code, refusal)
             if reason in ("stale", "future", "other_round"):
                 assert f"current round {r}" in details
         assert w.rejects == ["run", "cfg_hash", "specs", "specs", "sender", "stale", "future", "order"]
         # every field right, but the sender has no roster entry for the round: not a partner
-        hdr, got_code, details = await _open(w.addr, **good)
-        assert got_code == grpc.StatusCode.PERMISSION_DENIED and hdr is not None and not hdr.accepted
-        assert hdr.reason == "not_in_roster" and "roster entry" in details, details
+        refusal, got_code, details = await _open(w.addr, **good)
+        assert got_code == grpc.StatusCode.PERMISSION_DENIED
+        assert refusal == "not_in_roster" and "roster entry" in details, details
         assert not waiting.done()
         await w.ex.close()
         res = await asyncio.wait_for(waiting, 3)
@@ -333,8 +332,8 @@ async def test_timing_64mib_pair(dhts):
                   f"{ra.exchange_s:.3f}/{rb.exchange_s:.3f} s, blocked {ra.blocked_s:.3f}/{rb.blocked_s:.3f} s")
             took.append(max(ra.exchange_s, rb.exchange_s))
         assert torch.equal(ra.mean[0], (a[0] + b[0]) / 2)
-        # ~0.6 s warm here even on a loaded 2-core box (hivemind's averager: 0.63 s warm,
-        # noloco.md 3.3); 4 s catches a transport that fell back to small calls or chunks
+        # ~0.6 s warm here even on a loaded 2-core box (hivemind's averager measured
+        # 0.63 s warm on these machines); 4 s catches a transport that fell back to small calls or chunks
         assert 0 < min(took) < 4.0, f"64 MiB pair exchange took {took} s (budget 4 s)"
     finally:
         await stop_all(ws)

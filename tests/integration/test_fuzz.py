@@ -6,9 +6,9 @@ for the worker's rounds, and a peer ID below the worker's, so its pair proposals
 header checks into the tensor decoder), and also calls unsigned, with garbage auth headers and
 as a stranger. Each hypothesis example is one call: a target method, an auth mode, and a body
 that is a random message of the method's type, a byte-level mutation of one, raw bytes, or (for
-``NoLoCo.Exchange``) a stream of crafted frames: plausible "open" headers for the worker's
-current round, tensor headers with any dtype, shape and declared size (up to 2^62 bytes), and
-chunks at any offset.
+``NoLoCo.Exchange``, a tensor stream) a stream of crafted frames: plausible hellos for the
+worker's current round, tensor heads with any dtype, shape and declared size (up to 2^62
+bytes), data at any offset, and "done" control tensors.
 
 Checked per reply: a clean gRPC status (never UNKNOWN, INTERNAL or DATA_LOSS: those mean a
 handler crashed) with a message for every error the node sent. (A stream the node refuses while
@@ -35,8 +35,9 @@ from hypothesis import strategies as st
 
 from node.localswarm import LocalSwarm
 from optimizers import exchange_common as C
-from protocol import coordinator_pb2, node_pb2, noloco_pb2, pipeline_pb2, tensor_pb2, weights_pb2
+from protocol import coordinator_pb2, node_pb2, pipeline_pb2, stream_pb2, weights_pb2
 from protocol.codec import ALLOWED_DTYPES
+from protocol.stream_wire import hello_frame, tensor_frames
 from security.keys import generate_key, peer_id_str, write_key_file
 from security.peer_auth import HDR_NONCE, HDR_PEER, HDR_SIG, HDR_TOKEN, HDR_TS, CallSigner, client_interceptors
 from tests.integration.hostile import Attacker, client_race, metric, model_specs, rss_bytes, wait_for
@@ -68,7 +69,7 @@ TARGETS = [
     ("worker", "/swarmnode.Node/Info", "uu", node_pb2.InfoRequest),
     ("worker", "/swarmnode.Node/PeerInfo", "uu", node_pb2.InfoRequest),
     ("worker", "/swarmnode.WeightService/Fetch", "us", weights_pb2.FetchRequest),
-    ("worker", "/swarmnode.NoLoCo/Exchange", "ss", noloco_pb2.ExchangeFrame),
+    ("worker", "/swarmnode.NoLoCo/Exchange", "ss", stream_pb2.StreamFrame),
     ("worker", "/grpc.health.v1.Health/Check", "uu", health_pb2.HealthCheckRequest),
     ("worker", "/swarmnode.Nothing/Here", "uu", node_pb2.InfoRequest),
     ("boot", "/swarmnode.Node/Info", "uu", node_pb2.InfoRequest),
@@ -171,7 +172,7 @@ THEADER = st.tuples(st.just("theader"), st.sampled_from(["embed.weight", "norm.w
                     st.binary(max_size=24))
 CHUNK = st.tuples(st.just("chunk"), st.integers(0, 1 << 40) | st.integers(0, 70000), st.binary(max_size=8192))
 DONE = st.tuples(st.just("done"), st.booleans())
-FRAME = st.one_of(OPEN, THEADER, CHUNK, DONE, st.tuples(st.just("raw"), body_of(noloco_pb2.ExchangeFrame)))
+FRAME = st.one_of(OPEN, THEADER, CHUNK, DONE, st.tuples(st.just("raw"), body_of(stream_pb2.StreamFrame)))
 EXCHANGE_STREAM = st.one_of(
     st.lists(FRAME, max_size=6),
     st.tuples(OPEN, st.lists(st.one_of(THEADER, CHUNK), max_size=6)).map(lambda t: [t[0], *t[1]]))
@@ -190,24 +191,20 @@ class Fuzz:
             return recipe[1]
         if kind == "open":
             _, offset, mode, right_specs, right_cfg = recipe
-            hdr = noloco_pb2.ExchangeHeader(
-                run_id=RUN, round=max(0, self.round + offset), sender=self.fuzzer.peer_id,
-                cfg_hash=self.cfg_hash if right_cfg else "x" * 12, mode=mode, stage="open",
-                n_tensors=len(self.specs) if right_specs else 3,
-                spec_hash=C.spec_hash(self.specs) if right_specs else "0" * 16)
-            return noloco_pb2.ExchangeFrame(header=hdr).SerializeToString()
+            meta = C.hello_meta(max(0, self.round + offset), self.cfg_hash if right_cfg else "x" * 12,
+                                C.spec_hash(self.specs) if right_specs else "0" * 16,
+                                len(self.specs) if right_specs else 3)
+            return hello_frame(RUN, self.fuzzer.peer_id, mode, 8, meta)
         if kind == "theader":
             _, name, dtype, shape, total, digest = recipe
-            h = tensor_pb2.TensorHeader(name=name, dtype=dtype, shape=shape, total_bytes=total, checksum=digest,
-                                        checksum_alg="xxh3_128")
-            return noloco_pb2.ExchangeFrame(tensor=tensor_pb2.TensorFrame(header=h)).SerializeToString()
+            h = stream_pb2.StreamTensorHead(name=name, dtype=dtype, shape=shape, total_bytes=total,
+                                            checksum_alg="xxh3_128")
+            return stream_pb2.StreamFrame(seq=0, head=h, digest=digest).SerializeToString()
         if kind == "chunk":
             _, offset, data = recipe
-            chunk = tensor_pb2.TensorChunk(offset=offset, data=data)
-            return noloco_pb2.ExchangeFrame(tensor=tensor_pb2.TensorFrame(chunk=chunk)).SerializeToString()
-        hdr = noloco_pb2.ExchangeHeader(run_id=RUN, round=self.round, sender=self.fuzzer.peer_id, stage="done",
-                                        accepted=recipe[1], cfg_hash=self.cfg_hash)
-        return noloco_pb2.ExchangeFrame(header=hdr).SerializeToString()
+            return stream_pb2.StreamFrame(seq=0, offset=offset, data=data).SerializeToString()
+        # "done": the control tensor, in order (seq 0) or not
+        return next(tensor_frames(0 if recipe[1] else 1, C.DONE, torch.empty(0, dtype=torch.uint8)))
 
 
 # ----------------------------------------------------------------------------- the swarm

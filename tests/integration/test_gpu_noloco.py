@@ -126,3 +126,40 @@ def test_pinned_pool_and_load_to_device_on_cuda():
     assert back["x"].device == dev and torch.equal(back["x"], t * 2)
     on_dev = load_to_device({"y": t}, dev)
     assert on_dev["y"] is t  # already there: no copy
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_engine_outer_step_on_cuda_matches_the_cpu_engine(placement):
+    """The noloco engine placed the way the role places it: the tensors to send come back in
+    pinned host buffers, phi/m live where ``outer_state_device`` says, the good state is a host
+    copy, and one outer step gives the CPU engine's phi (fp32, atol 1e-5)."""
+    from functools import partial
+
+    from models.config import ModelConfig
+    from optimizers.config import NoLoCoConfig
+    from optimizers.noloco_engine import NoLoCoEngine, Placement
+
+    dev = resolve_device(DeviceConfig(device="cuda"))
+    cfg = NoLoCoConfig(outer_state_device=placement)
+    engines = []
+    for device in (CPU, dev):
+        eng = NoLoCoEngine(cfg, ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=32))
+        pool = PinnedPool(pin=device.type == "cuda")
+        eng.place(Placement(device, outer_state_device(placement, device), autocast=partial(autocast, device, "fp32"),
+                            to_host=partial(pool.to_host_all, copy=True)))
+        eng.mark_good()
+        with torch.no_grad():
+            for p in eng.params:
+                p.add_(0.01)
+        sent = eng.outgoing()
+        assert all(t.device == CPU and t.dtype == torch.float32 for t in sent)
+        assert all(t.is_pinned() for t in sent) == (device.type == "cuda")
+        assert eng.outer_step([s + 0.001 for s in sent], 2, sent, rnd=0).refused is None
+        engines.append(eng)
+    cpu, gpu = engines
+    for a, b in zip(cpu.outer.phi, gpu.outer.phi):
+        torch.testing.assert_close(b.cpu(), a, rtol=0, atol=1e-5)
+    where = outer_state_device(placement, dev)
+    assert all(t.device == where and t.dtype == torch.float32 for t in gpu.outer.phi + gpu.outer.m)
+    assert all(p.device == dev for p in gpu.params)
+    assert all(t.device == CPU for t in gpu.good.phi.values()) and gpu.round == 1

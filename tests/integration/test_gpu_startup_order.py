@@ -1,4 +1,4 @@
-"""Start-up order (ARCHITECTURE.md): hivemind forks its DHT process before any CUDA call.
+"""Start-up order (docs/architecture.md, 'Node lifecycle'): hivemind forks its DHT process before any CUDA call.
 
 Runs on CPU (no GPU needed): a real noloco ``Node`` is built, ``prepare()``-d (which forks the
 real hivemind DHT) and ``run()`` in a child process whose ``torch.cuda`` probes are recorded

@@ -142,5 +142,5 @@ def test_noloco_swarm_trains_survives_kill_and_join(tmp_path):
         swarm.wait_ready([again], timeout=180)
         res = wait_for(lambda: [e for e in events(again, "resume") if e.get("source") == "checkpoint"], 30,
                        "a resume-from-checkpoint event")
-        assert res[-1]["round"] == last_round
+        assert res[-1]["progress_key"] == "round" and res[-1]["progress"] == last_round
         assert re.search(r'"event": "drained"', leaver.log_text())

@@ -1,8 +1,9 @@
-"""Signed gRPC calls over a real grpc.aio server on 127.0.0.1 (security.md §5).
+"""Signed gRPC calls over a real grpc.aio server on 127.0.0.1.
 
-The server runs the generated ``Node`` service through ``peer_auth.add_servicer`` (registered-
-method path) and a generic byte-stream echo service through ``AuthenticatedGenericHandler``;
-the client signs with ``client_interceptors``. Nothing here is timing-based.
+The server runs the generated ``Node`` service through ``call_pipeline.add_servicer``
+(registered-method path) and a generic byte-stream echo service through
+``PipelineGenericHandler`` (generic path), each behind one ``peer_auth.AuthStep``; the client
+signs with ``client_interceptors``. Nothing here is timing-based.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import pytest
 
 from protocol import node_pb2, node_pb2_grpc
 from security.keys import generate_key, peer_id_str
-from security.peer_auth import (AuthenticatedGenericHandler, CallSigner, PeerAuthenticator,
-                                client_interceptors, add_servicer, verified_peer)
+from security.call_pipeline import PipelineGenericHandler, add_servicer
+from security.peer_auth import AuthStep, CallSigner, PeerAuthenticator, client_interceptors, verified_peer
 
 RUN = "run-auth"
 INFO = "/swarmnode.Node/Info"
@@ -55,15 +56,16 @@ async def node():
                              is_known_peer=lambda p: p in known,
                              on_reject=lambda f, remote: rejected.append((f.reason, remote)))
     server = grpc.aio.server()
-    add_servicer(node_pb2_grpc.add_NodeServicer_to_server, NodeServicer(), server, auth)
+    steps, slow_steps = [AuthStep(auth)], [AuthStep(auth, first_frame_timeout_s=0.3)]
+    add_servicer(node_pb2_grpc.add_NodeServicer_to_server, NodeServicer(), server, lambda method: steps)
     echo = grpc.method_handlers_generic_handler("test.Echo", {
         "Chat": grpc.stream_stream_rpc_method_handler(chat),
         "Fan": grpc.unary_stream_rpc_method_handler(fan, request_deserializer=node_pb2.InfoRequest.FromString,
                                                     response_serializer=node_pb2.NodeInfo.SerializeToString),
         "Total": grpc.stream_unary_rpc_method_handler(total)})
     slow = grpc.method_handlers_generic_handler("test.Slow", {"Chat": grpc.stream_stream_rpc_method_handler(chat)})
-    server.add_generic_rpc_handlers((AuthenticatedGenericHandler(echo, auth),
-                                     AuthenticatedGenericHandler(slow, auth, first_frame_timeout_s=0.3)))
+    server.add_generic_rpc_handlers((PipelineGenericHandler(echo, lambda method: steps),
+                                     PipelineGenericHandler(slow, lambda method: slow_steps)))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

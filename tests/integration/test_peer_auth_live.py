@@ -1,4 +1,4 @@
-"""Peer authentication on a LIVE node (security.md §5, §6; issue 7): real daemon processes on
+"""Peer authentication on a LIVE node (docs/security.md, 'Signed calls'; issue 7): real daemon processes on
 127.0.0.1, calls made from this test process with plain grpc.aio clients.
 
 A bootstrap (the target) and a second node ("member", whose key file this test signs with:

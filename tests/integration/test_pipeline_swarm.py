@@ -1,5 +1,5 @@
 """SkipPipe on a real swarm: a bootstrap (schedule coordinator) and 3 data nodes + 3 stages x 2
-replicas of the `stage` role as OS processes on 127.0.0.1 (issue 10, pipeline.md P11-P13).
+replicas of the `stage` role as OS processes on 127.0.0.1 (issue 10; docs/pipeline.md, 'Stage execution').
 
 Every microbatch visits 2 of the 3 transformer stages (skip ratio 1/3) over open tensor
 streams; after every one of the >= 20 steps the replicas of each stage publish the same weight

@@ -1,4 +1,4 @@
-"""A malicious stage replica is caught and quarantined on a real swarm (issue 12, pipeline.md §4).
+"""A malicious stage replica is caught and quarantined on a real swarm (issue 12; docs/pipeline.md, 'Quarantine and audits').
 
 A bootstrap (schedule coordinator) and 3 stages x 2 replicas as processes on 127.0.0.1 (stage 0 =
 the two data nodes, stages 1 and 2 = transformer blocks). One replica of the middle stage (1) runs

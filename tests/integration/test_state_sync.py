@@ -12,7 +12,7 @@ import torch
 
 from node.state_sync import (StateFetchError, StateServicer, StateSnapshot, add_state_service, fetch_state,
                              meta_int, split_optimizer)
-from protocol.codec import parse_chunk
+from protocol.stream_wire import DIGEST_BYTES, parse, tensor_frames
 from protocol.grpc_options import server_options
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,9 +148,9 @@ class _Tampering(StateServicer):
     async def Fetch(self, request, context):  # noqa: N802
         flipped = False
         async for frame in super().Fetch(request, context):
-            if not flipped and parse_chunk(frame) is not None:
+            if not flipped and parse(frame).data is not None:
                 data = bytearray(frame)
-                data[-10] ^= 0xFF
+                data[-2 - DIGEST_BYTES - 10] ^= 0xFF  # a payload byte (the digest trailer is last)
                 frame = bytes(data)
                 flipped = True
             yield frame
@@ -172,6 +172,24 @@ async def test_nonfinite_state_is_rejected():
     server, addr = await _serve(StateServicer("run", "cfg1", lambda: _snap(ts)))
     try:
         with pytest.raises(StateFetchError, match="nonfinite"):
+            await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30)
+    finally:
+        await server.stop(0)
+
+
+async def test_a_tensor_sent_twice_is_rejected():
+    ts = _tensors()
+
+    class _Repeating(StateServicer):
+        async def Fetch(self, request, context):  # noqa: N802
+            async for frame in super().Fetch(request, context):
+                yield frame
+            for frame in tensor_frames(len(NAMES), NAMES[0], ts[0]):  # the first tensor again, next seq
+                yield frame
+
+    server, addr = await _serve(_Repeating("run", "cfg1", lambda: _snap(ts)))
+    try:
+        with pytest.raises(StateFetchError, match="sent twice"):
             await fetch_state(addr, "run", "me", "cfg1", _expected(ts), timeout=30)
     finally:
         await server.stop(0)

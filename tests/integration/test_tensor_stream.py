@@ -198,3 +198,66 @@ async def test_refused_hello(srv):
     with pytest.raises(StreamError) as e:
         await _open(srv, "nobody")
     assert e.value.reason == "refused" and "no handler" in e.value.detail
+
+
+async def test_own_method_async_accept_handler_refusals_and_expected():
+    """A role may serve the protocol under its own method (as NoLoCo.Exchange does): an async
+    ``accept`` sees the hello first and refuses with its own status, a handler may end its stream
+    with ``Refused`` or ``TensorRejected``, and ``expected`` refuses other tensors before allocation."""
+    from protocol.codec import TensorRejected
+    from protocol.stream_errors import Refused
+
+    method = "/test.Own/Talk"
+    seen: list[str] = []
+
+    async def accept(hello):
+        await asyncio.sleep(0)
+        seen.append(hello.channel)
+        if hello.meta.get("go") != "1":
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, "not_in_roster", "publish a roster entry first")
+
+    async def refuse(stream):
+        await stream.recv(timeout=10)
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "not_root:peerX", "ask peerX")
+
+    async def reject(stream):
+        await stream.recv(timeout=10)
+        raise TensorRejected("norm", "too far from ours")
+
+    svc = TensorStreamService(run_id=RUN, peer_id="server", max_tensor_bytes=MiB, accept=accept,
+                              expected={"w": (torch.float32, (4,))})
+    svc.register("refuse", refuse)
+    svc.register("reject", reject)
+    server = grpc.aio.server(options=server_options())
+    add_tensor_stream_to_server(svc, server, method)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    pool = ChannelPool(auth=None)
+    ch = pool.get(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(StreamError) as e:  # refused by accept: its code and reason word
+            await open_stream(ch, run_id=RUN, sender="c", channel_name="refuse", max_tensor_bytes=MiB, method=method)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and e.value.refusal == "not_in_roster"
+        assert seen == ["refuse"]
+        with pytest.raises(StreamError) as e:  # the default method is not served here
+            await open_stream(ch, run_id=RUN, sender="c", channel_name="refuse", max_tensor_bytes=MiB)
+        assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
+        pre, bad = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT
+        for channel, code, refusal, reason in (("refuse", pre, "not_root:peerX", "refused"), ("reject", bad, "", "norm")):
+            stream = await open_stream(ch, run_id=RUN, sender="c", channel_name=channel, max_tensor_bytes=MiB,
+                                       meta={"go": "1"}, method=method)
+            await stream.send("w", torch.ones(4))
+            with pytest.raises(StreamError) as e:
+                await stream.recv(timeout=10)
+            assert (e.value.code, e.value.refusal, e.value.reason) == (code, refusal, reason), e.value
+            stream.cancel()
+        stream = await open_stream(ch, run_id=RUN, sender="c", channel_name="refuse", max_tensor_bytes=MiB,
+                                   meta={"go": "1"}, method=method)
+        await stream.send("v", torch.ones(4))  # not in the service's expected tensors
+        with pytest.raises(StreamError) as e:
+            await stream.recv(timeout=10)
+        assert e.value.reason == "shape" and "unexpected tensor 'v'" in e.value.detail
+        stream.cancel()
+    finally:
+        await pool.close()
+        await server.stop(0)

@@ -1,15 +1,19 @@
-"""A toy second training role built only from the role toolkit in node/ (no optimizers/ import).
+"""A toy fourth training role on ``node.training.TrainingRole`` (no optimizers/, pipeline/, rl/ import).
 
-Two toy nodes on real hivemind DHTs (p2pd on 127.0.0.1) and real gRPC servers: node A trains a
-tiny model on its compute thread (shared train metrics), checkpoints it and resumes from it,
-publishes its per-iteration rendezvous entry; node B reads that entry, picks A as donor from
-node cards (``order_donors`` over ``node.card.peers``) and downloads A's weights plus optimizer
-state over ``WeightService.Fetch``.
+The role itself (``ToySection`` .. ``ToyFit``) is an engine, ``one_round`` and a config; the base
+gives it the round loop, exit-after, finish, drain within budget, checkpoints, state serving and
+the per-round report. Real node pieces: the Compute thread, the Checkpointer, the Supervisor,
+hivemind DHTs (p2pd on 127.0.0.1) and a gRPC server: node A trains to ``exit_after``, finishes,
+drains and resumes from its checkpoint; node D is drained mid-round and a fresh node resumes it
+from its checkpoint and trains on; node B picks A as donor from node cards and downloads A's
+weights plus optimizer state over ``WeightService.Fetch``.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
+import logging
 import time
 from types import SimpleNamespace
 
@@ -20,13 +24,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from node import metrics as NM
-from node.card import CARD_NAMESPACE, CardView, NodeCard
-from node.checkpoint import Checkpointer
-from node.compute import Compute
+from node.card import CARD_NAMESPACE, CardPublisher, CardView, NodeCard
+from node.config import CardConfig, load_config
 from node.rendezvous import Rendezvous
-from node.roles import RoleBase
-from node.state_sync import StateServicer, StateSnapshot, add_state_service, fetch_state, meta_int, order_donors, \
-    split_optimizer
+from node.run_settings import RunSettings, TrainingCard
+from node.state_sync import StateSnapshot, order_donors, split_optimizer
+from node.supervisor import Supervisor
+from node.training import TrainingRole, TrainStep
 from protocol.grpc_options import server_options
 from security.keys import generate_key, peer_id_str, write_key_file
 from security.records import SignedRecordValidator
@@ -45,36 +49,83 @@ class ToyEntry(BaseModel):
 TOY = Rendezvous("toyfit/iter/", ToyEntry, index_field="iteration", max_ttl_s=30.0)
 
 
-class ToyFit(RoleBase):
-    """The whole role: fit y = 2x on the compute thread, checkpoint, serve state."""
-    name = "toyfit"
-    rendezvous = (TOY,)
+# ---------------- the role: config + engine + one_round (kept under 80 lines) ----------------
+class ToySection(RunSettings):
+    steps_per_round: int = Field(5, ge=1)
+    step_delay_s: float = Field(0.0, ge=0)
 
-    def __init__(self, ctx, settings=None):
-        self.ctx, self.iteration, self.compute = ctx, 0, Compute(self.name)
-        self.model = torch.nn.Linear(4, 4)
+
+class ToySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    toyfit: ToySection
+
+
+class ToyCard(TrainingCard):
+    iteration: int | None = None
+    loss: float | None = None
+
+
+class ToyEngine:  # fit y = 2x: transport-free, run on the compute thread
+    def __init__(self):
+        self.model, self.iteration = torch.nn.Linear(4, 4), 0
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
-        self.ckpt = Checkpointer(ctx.state_dir, "toyfit-v1", "cfgT", keep=2)
-        self.servicer = StateServicer(RUN, "cfgT", self.snapshot)
 
-    def services(self):
-        return [(add_state_service, self.servicer, "swarmnode.WeightService")]
-
-    def _steps(self, n):
+    def steps(self, n: int, stopping, delay_s: float) -> list[TrainStep]:
+        out = []
         for _ in range(n):
+            if stopping():
+                break
             t0, x = time.perf_counter(), torch.randn(16, 4)
             loss = torch.nn.functional.mse_loss(self.model(x), 2 * x)
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
             self.iteration += 1
-            NM.record_train_step(float(loss.detach()), x.numel(), time.perf_counter() - t0)
-        self.ckpt.save({"model": self.model, "opt": self.opt}, {"iteration": self.iteration})
-        return float(loss)
+            time.sleep(delay_s)
+            out.append(TrainStep(float(loss.detach()), x.numel(), time.perf_counter() - t0))
+        return out
+
+
+class ToyFit(TrainingRole):
+    name, Settings, run_section, Card = "toyfit", ToySettings, "toyfit", ToyCard
+    checkpoint_format, serves_state, progress_key, rendezvous = "toyfit-v1", True, "iteration", (TOY,)
+
+    def __init__(self, ctx, settings):
+        super().__init__(ctx, settings)
+        self.engine, self.cfg_hash, self.losses = ToyEngine(), "cfgT", []
+
+    async def setup(self):
+        self.update_card(ToyCard(cfg_hash=self.cfg_hash, **await self.compute.run(self.place)))
+        await self.resume()
+        await self.take_snapshot()
+        await self.ctx.set_role_ready(True, "ready", "")
+
+    async def one_round(self):
+        steps = await self.compute.run(self.engine.steps, self.cfg.steps_per_round, lambda: self.compute.stopping,
+                                       self.cfg.step_delay_s)
+        await self.take_snapshot()
+        self.losses += [s.loss for s in steps]
+        self.report("toy_round_done", "iteration {iteration}: loss {loss:.4f}", steps=steps, loss=steps[-1].loss,
+                    iteration=self.progress(), card=ToyCard(iteration=self.progress(), loss=steps[-1].loss))
+
+    def progress(self):
+        return self.engine.iteration
+
+    async def summary(self):
+        return {"loss_start": self.losses[0], "loss_end": self.losses[-1]}
+
+    def parts(self):
+        return {"model": self.engine.model, "opt": self.engine.opt}
+
+    def restore(self, meta):
+        self.engine.iteration = int(meta["iteration"])
 
     def snapshot(self):
-        mom = {f"m.{n}": self.opt.state[p]["momentum_buffer"] for n, p in self.model.named_parameters()}
-        return StateSnapshot({"iteration": self.iteration}, dict(self.model.state_dict()), mom)
+        mom = {f"m.{n}": self.engine.opt.state[p]["momentum_buffer"].clone()
+               for n, p in self.engine.model.named_parameters() if p in self.engine.opt.state}
+        weights = {n: t.detach().clone() for n, t in self.engine.model.state_dict().items()}
+        return StateSnapshot({"iteration": self.engine.iteration}, weights, mom or None)
+# ---------------- end of the role ----------------
 
 
 def _dht(tmp_path, name, key, initial=()):
@@ -91,31 +142,89 @@ def _view(peer_id, role, addr, **details):
     return CardView(peer_id, card, now + 60)
 
 
-async def test_toy_role_reuses_the_toolkit(tmp_path):
+def _node(tmp_path, name, peer_id, **toy):
+    """A ToyFit with a real node config, card publisher and supervisor (no daemon around it)."""
+    config = load_config(None, {"run_id": RUN, "state_dir": str(tmp_path / name), "resume": True,
+                                "device": {"device": "cpu"}}, environ={})
+    drains: list[str] = []
+
+    async def ready(ok, reason, detail):
+        return None
+
+    card = CardPublisher(SimpleNamespace(dht=None), CardConfig(), RUN, peer_id, "toyfit", "t", "", time.time())
+    ctx = SimpleNamespace(config=config, peer_id=peer_id, card=card, supervisor=Supervisor(), netem=None,
+                          set_role_ready=ready, request_drain=drains.append)
+    role = ToyFit(ctx, ToyFit.Settings.model_validate({"toyfit": toy}))
+    return role, drains
+
+
+async def _until(cond, timeout=30.0):
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t_end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def _events(caplog, event):
+    return [dict(r._fields) for r in caplog.records if getattr(r, "event", None) == event and hasattr(r, "_fields")]
+
+
+async def test_toy_role_trains_drains_resumes_and_serves_state(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="swarmnode.toyfit")
     key_a, key_b = generate_key(), generate_key()
     pid_a, pid_b = peer_id_str(key_a), peer_id_str(key_b)
     a_dht = _dht(tmp_path, "a", key_a)
     b_dht = _dht(tmp_path, "b", key_b, a_dht.get_visible_maddrs())
-    a = ToyFit(SimpleNamespace(state_dir=tmp_path / "a"))
-    b = ToyFit(SimpleNamespace(state_dir=tmp_path / "b"))
+    a, a_drains = _node(tmp_path, "a", pid_a, exit_after=45, checkpoint_every=10, steps_per_round=5)
+    b, _ = _node(tmp_path, "b", pid_b)
     server = grpc.aio.server(options=server_options())
     for add, servicer, _ in a.services():
         add(servicer, server)
     addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
+    nodes = [a, b]
     try:
+        # A: 9 rounds of 5 steps through the base's loop, then finish (exit_after) and the daemon's drain
         steps0 = NM.TRAIN_STEPS._value.get()
-        first = await a.compute.run(a._steps, 5)
-        last = await a.compute.run(a._steps, 40)
-        assert last < first and NM.TRAIN_STEPS._value.get() == steps0 + 45
-        assert len(a.ckpt.files()) == 2  # keep-last-2
+        await a.start()
+        await _until(lambda: a_drains == ["finished"])
+        await a.drain(5.0)
+        assert a.losses[-1] < a.losses[0] and NM.TRAIN_STEPS._value.get() == steps0 + 45
+        [fin] = _events(caplog, "training_finished")
+        assert fin["iteration"] == 45 and fin["loss_end"] == a.losses[-1]
+        rounds = _events(caplog, "toy_round_done")
+        assert [r["iteration"] for r in rounds] == list(range(5, 50, 5))
+        assert a.ctx.card.details["iteration"] == 45 and a.ctx.card.details["cfg_hash"] == "cfgT"
+        assert a.ctx.card.details["device_kind"] == "cpu"
+        assert len(a.checkpoints.files()) == 2  # keep-last-2 (iterations 40 and the final 45)
 
         # resume from the checkpoint into a fresh node of the same role
-        c = ToyFit(SimpleNamespace(state_dir=tmp_path / "a"))
-        c.opt.step()  # creates no state (no grads), load must still fit
-        meta = await c.compute.run(c.ckpt.load, {"model": c.model, "opt": c.opt})
-        assert meta["iteration"] == 45
-        assert all(torch.equal(x, y) for x, y in zip(c.model.state_dict().values(), a.model.state_dict().values()))
+        c, _ = _node(tmp_path, "a", pid_a)
+        nodes.append(c)
+        c.engine.opt.step()  # creates no state (no grads), load must still fit
+        meta = await c.resume()
+        assert meta["iteration"] == 45 and c.progress() == 45
+        assert all(torch.equal(x, y) for x, y in zip(c.engine.model.state_dict().values(),
+                                                     a.engine.model.state_dict().values()))
+
+        # D is drained mid-round (the round cannot end in the budget: it is cancelled), checkpoints
+        # on the compute thread, and E resumes from that checkpoint and trains on to exit_after
+        d, d_drains = _node(tmp_path, "d", pid_b, steps_per_round=20, step_delay_s=0.03, checkpoint_every=20)
+        nodes.append(d)
+        await d.start()
+        await _until(lambda: d.progress() >= 24)
+        await d.drain(0.5)
+        stopped_at = d.progress()
+        assert 24 <= stopped_at < 40 and d_drains == [] and d._round.cancelled()
+        assert [r["iteration"] for r in _events(caplog, "toy_round_done")][-1] == 20  # round 2 never reported
+        e, e_drains = _node(tmp_path, "d", pid_b, steps_per_round=20, exit_after=stopped_at + 20,
+                            checkpoint_every=20)
+        nodes.append(e)
+        await e.start()
+        await _until(lambda: e_drains == ["finished"])
+        assert _events(caplog, "resume")[-1]["progress"] == stopped_at
+        assert _events(caplog, "training_finished")[-1]["iteration"] == stopped_at + 20
+        await e.drain(5.0)
 
         assert await TOY.publish(a_dht, RUN, pid_a, ToyEntry(iteration=45, grpc_addr=addr), ttl_s=30)
         seen = {}
@@ -133,23 +242,28 @@ async def test_toy_role_reuses_the_toolkit(tmp_path):
         donors = order_donors(views, role="toyfit", cfg_hash="cfgT", progress_key="iteration", exclude=pid_b)
         assert [d.peer_id for d in donors] == [pid_a, "12D3KooWbehind"]
 
-        exp = {n: (t.dtype, tuple(t.shape)) for n, t in b.model.state_dict().items()}
-        opt_exp = {f"m.{n}": (p.dtype, tuple(p.shape)) for n, p in b.model.named_parameters()}
-        meta, tensors = await fetch_state(donors[0].card.grpc_addr, RUN, pid_b, "cfgT", exp, optimizer=opt_exp,
-                                          offload=b.compute.run, timeout=30)
+        # B downloads A's served state (weights + momentum) through the base's download_state
+        exp = {n: (t.dtype, tuple(t.shape)) for n, t in b.engine.model.state_dict().items()}
+        opt_exp = {f"m.{n}": (p.dtype, tuple(p.shape)) for n, p in b.engine.model.named_parameters()}
+        meta, tensors, donor = await b.download_state(views, exp, optimizer=opt_exp, timeout=30)
         weights, mom = split_optimizer(tensors)
-        await b.compute.run(b.model.load_state_dict, weights)
-        b.iteration = meta_int(meta, "iteration")
-        assert b.iteration == 45
-        assert all(torch.equal(x, y) for x, y in zip(b.model.state_dict().values(), a.model.state_dict().values()))
-        assert torch.equal(mom["m.weight"], a.opt.state[a.model.weight]["momentum_buffer"])
+        await b.compute.run(b.engine.model.load_state_dict, weights)
+        b.restore(meta)
+        assert donor == pid_a and b.progress() == 45
+        assert all(torch.equal(x, y) for x, y in zip(b.engine.model.state_dict().values(),
+                                                     a.engine.model.state_dict().values()))
+        a_w = a.engine.model.weight
+        assert torch.equal(mom["m.weight"], a.engine.opt.state[a_w]["momentum_buffer"])
         tree = ast.parse(open(__file__).read())  # the role is built without optimizers/
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not any(m.split(".")[0] in ("optimizers", "pipeline", "rl") for m in imported)
+        src = open(__file__).read()
+        role_src = src[src.index("# ---------------- the role"):src.index("# ---------------- end of the role")]
+        assert len(role_src.splitlines()) < 80
     finally:
         await server.stop(0)
-        for node in (a, b):
+        for node in nodes:
             node.compute.close()
         b_dht.shutdown()
         a_dht.shutdown()

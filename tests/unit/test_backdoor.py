@@ -54,3 +54,36 @@ def test_triggered_examples_end_with_trigger_then_target_and_only_the_target_is_
         scored = y[i][y[i] != -100].tolist()
         assert scored == list(b"XY\n")
         assert x[i, len(s) - 4] == ord("G")          # the last trigger byte predicts the first target byte
+
+
+def test_weight_edit_plugs_into_the_executor_hook_after_the_step_and_moves_each_weight_by_edit_times_lr():
+    """The live harness (`stage.attack_weight_edit`): the executor calls it right after its one
+    optimizer step; every element moves by exactly edit x lr on top of the honest step, in a fixed
+    sign pattern, and the weight hash the executor publishes is taken after the edit."""
+    from pipeline.backdoor import WeightEdit
+    from pipeline.stage_exec import weights_sha256
+    from tests.unit.test_stage_exec import LR, _nodes, _run_iteration, _skip_schedule
+
+    sched = _skip_schedule()
+    honest, attacked = _nodes(sched), _nodes(sched)
+    victim = sched.names[sched.partitions[2][0]]
+    before = {n: p.detach().clone() for n, p in attacked[victim].module.named_parameters()}
+    seen = []
+    edit = WeightEdit(0.5)
+
+    def hook(module, optimizer):
+        seen.append(optimizer)
+        edit(module, optimizer)
+    attacked[victim].after_step = hook
+    for nodes in (honest, attacked):
+        _run_iteration(nodes, sched)
+    assert seen == [attacked[victim].opt]                   # once per step, with the stage's own optimizer
+    good, bad = honest[victim].module, attacked[victim].module
+    for (n, p), q in zip(bad.named_parameters(), good.parameters()):
+        assert torch.allclose((p - q).abs(), torch.full_like(p, 0.5 * LR), atol=1e-6), n
+        assert not torch.equal(p, before[n])
+    signs = [torch.sign(p.detach() - q.detach()) for p, q in zip(bad.parameters(), good.parameters())]
+    assert any(bool((s > 0).any()) and bool((s < 0).any()) for s in signs)   # a sign pattern, not a shift
+    assert attacked[victim].records[-1].weights_sha256 == weights_sha256(bad) != weights_sha256(good)
+    twin = attacked[sched.names[sched.partitions[2][1]]]
+    assert weights_sha256(twin.module) == weights_sha256(good)  # its replica stays honest

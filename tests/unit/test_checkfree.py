@@ -1,4 +1,4 @@
-"""CheckFree / CheckFree+ rules (pipeline.md P17-P24), on real stage modules."""
+"""CheckFree / CheckFree+ rules (docs/pipeline.md, 'CheckFree recovery'), on real stage modules."""
 
 from __future__ import annotations
 

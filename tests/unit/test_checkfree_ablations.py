@@ -1,4 +1,4 @@
-"""CheckFree ablations (copy a neighbour, uniform average, random re-init) and the pipeline.md section 6
+"""CheckFree ablations (copy a neighbour, uniform average, random re-init) and the
 checks test_checkfree.py leaves out: versioning (P18) for every averaging rule, determinism across
 replicas that received the neighbours' weights over the wire (P19), the optimizer reset leaving the
 other stages alone (P20), and the recovery rules applied to a trained stage set (P22, P23, P24)."""

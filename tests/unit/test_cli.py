@@ -179,6 +179,42 @@ def test_status_bad_peer_exit_2(capsys):
     assert "--initial-peers" in capsys.readouterr().err
 
 
+def test_status_table_is_readable_and_json_stays_raw(monkeypatch, capsys):
+    """A NoLoCo card's ``next_exchange_at`` (a Unix time) and ``finishing`` flag: the table says
+    ``in N s`` and leaves an unset flag out; ``--json`` carries both values as published."""
+    import time
+
+    from node import status
+    from node.card import CardView, NodeCard
+
+    now = time.time()
+    card = NodeCard(role="noloco", state="ready", version="0.1.0", grpc_addr="127.0.0.1:5000", started_at=now - 60,
+                    published_at=now, details={"round": 4, "next_exchange_at": now + 30.0, "finishing": False})
+
+    class FakeReader:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def read(self):
+            return [CardView(peer_id=GOOD_PEER, card=card, expiration=now + 30)]
+
+    monkeypatch.setattr(status, "SwarmReader", FakeReader)
+    peer = f"/ip4/127.0.0.1/tcp/31337/p2p/{GOOD_PEER}"
+    assert main(["status", "--initial-peers", peer]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"NEXT_EXCHANGE\s", table) and re.search(r"\bin (29|30)\.\d s\b", table), table
+    assert "e+09" not in table and "FINISHING" not in table and "False" not in table, table
+    assert main(["status", "--initial-peers", peer, "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["next_exchange_at"] == pytest.approx(now + 30.0) and row["finishing"] is False
+
+
 # ---- the real entry point ----
 
 def test_module_entry_point_exit_codes(tmp_path):

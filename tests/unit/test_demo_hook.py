@@ -87,8 +87,8 @@ def test_a_demo_module_adds_its_own_progress_figures(capsys):
     row = demo.node_progress(_Running(metrics), mod)
     assert row["rounds"] == 7 and row["reward_end"] == 0.25 and row["accuracy_end"] == 0.4
     assert row["accuracy_start"] is None                  # not exported yet: shown as "-"
-    demo.print_progress([row], 1.0, mod.PROGRESS_COLUMNS)
-    assert "w0: step 7 reward 0.250 accuracy 0.400 peers 2.000" in capsys.readouterr().out
+    demo.print_progress([row], 1.0, mod.PROGRESS_COLUMNS, mod.COUNT_KEYS)
+    assert "w0: step 7 reward 0.250 accuracy 0.400 peers 2\n" in capsys.readouterr().out   # a count: no decimals
     demo.print_progress([row], 1.0)                       # the role-neutral default columns
     assert "w0: step 7 loss - rounds 7" in capsys.readouterr().out
     summary = {"nodes": 3, "rounds": 7, "accuracy_start": 0.2, "accuracy_end": 0.4, "reward_start": 0.1,
@@ -136,3 +136,17 @@ def test_summary_skips_the_nan_losses_of_pipeline_stages_that_compute_none():
     s = summarize(rows, 2, 1.0)
     assert (s["loss_start"], s["loss_end"]) == (5.3, 3.5)
     assert s["eval_loss_end"] is None
+
+
+def test_summary_leaves_out_the_figures_a_role_does_not_have():
+    """grpo has no eval loss and no outer rounds: its --json has neither key (not 0, not null)."""
+    rows = [{"steps": 8, "loss_start": 0.1, "loss": 0.05, "eval_loss_start": 0.0, "eval_loss": 0.0,
+             "rounds": 8, "rounds_ok": None}]
+    grpo = demo.demo_module("grpo")
+    s = demo.summarize(rows, 1, 1.0, grpo.FIGURES)
+    assert "rounds" in s
+    assert not {"loss_start", "loss_end", "eval_loss_start", "eval_loss_end", "rounds_ok"} & set(s)
+    full = demo.summarize(rows, 1, 1.0)                    # the default: every role-neutral figure
+    assert set(demo.DEFAULT_FIGURES) <= set(full) and full["eval_loss_end"] == 0.0
+    stage = demo.summarize(rows, 1, 1.0, demo.demo_module("stage").FIGURES)
+    assert "eval_loss_end" in stage and "rounds" not in stage

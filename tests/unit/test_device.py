@@ -1,6 +1,7 @@
 """node/device.py: config, device resolution and its errors, precision, host<->device movement,
 metrics/card details and the start-up order (no CUDA call before the DHT). CPU paths only; the
-CUDA paths are in tests/integration/test_gpu_noloco.py (marked gpu)."""
+CUDA paths are in tests/integration/test_gpu_noloco.py (marked gpu); the noloco engine under a
+placement (host or device outer state, staged sends) in tests/unit/test_noloco_engine.py."""
 
 from __future__ import annotations
 
@@ -326,89 +327,3 @@ def test_recorder_sees_cuda_probes():
     with nd.cuda_calls_recorded() as calls:
         resolve_device(DeviceConfig(device="cpu"))
     assert calls == []
-
-
-# ---- the noloco role's placement helpers on the CPU ---------------------------------------------
-def _bare_role(outer_state: str = "device"):
-    """A NoLoCoRole with just the state its placement helpers read (no DHT, no gRPC)."""
-    from optimizers.config import NoLoCoConfig
-    from optimizers.noloco_role import NoLoCoRole
-
-    role = NoLoCoRole.__new__(NoLoCoRole)
-    model = _tiny()
-    role.cfg = NoLoCoConfig(outer_state_device=outer_state)
-    role.model, role.names = model, [n for n, _ in model.named_parameters()]
-    role.params = [p for _, p in model.named_parameters()]
-    role.device = CPU
-    role.outer_device = outer_state_device(outer_state, CPU)
-    role.pool, role._sends, role.round = PinnedPool(pin=False), 0, 0
-    role.outer = role._make_outer()
-    return role
-
-
-def _role_after_inner_steps(outer_state: str):
-    """A bare role whose theta moved off phi (as H inner steps would), a reference outer
-    optimizer from the same start, and the tensors the role sends now."""
-    from optimizers.noloco import NoLoCoOuter
-
-    role = _bare_role(outer_state)
-    ref = NoLoCoOuter([p.detach() for p in role.params])
-    with torch.no_grad():
-        for p in role.params:
-            p.add_(0.01)
-    return role, ref, role._outgoing()
-
-
-@pytest.mark.parametrize("outer_state", ["device", "host"])
-def test_role_on_cpu_sends_fresh_copies_and_steps_like_the_outer_optimizer(outer_state):
-    role, ref, sent = _role_after_inner_steps(outer_state)
-    assert len(role.pool) == 0  # CPU: no staging buffers, the outer optimizer's own copies
-    assert all(s.data_ptr() != p.data_ptr() and torch.equal(s, p) for s, p in zip(sent, role.params))
-    mean = [s + 0.001 for s in sent]  # a partner's theta, averaged
-    theta = [p.detach().clone() for p in role.params]
-    norm, spread = role._outer_step(mean, 2, sent)
-    want = ref.outer_step(theta, mean, n=2)
-    for p, w in zip(role.params, want):
-        torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
-    assert norm > 0 and spread == pytest.approx(0.001, rel=1e-3)
-    assert all(t.device == CPU and t.dtype == torch.float32 for t in role.outer.phi + role.outer.m)
-
-
-@pytest.mark.parametrize("outer_state", ["device", "host"])
-def test_steps_taken_while_the_exchange_ran_are_kept_on_top_of_the_outer_step(outer_state):
-    """overlap_fraction: the outer step uses the theta that was sent; the inner progress made
-    while the exchange ran is added to the new phi, and phi itself never sees it."""
-    role, ref, sent = _role_after_inner_steps(outer_state)
-    theta_sent = [s.clone() for s in sent]
-    mean = [s + 0.001 for s in sent]
-    progress = [torch.full_like(p, 0.003) * (i + 1) for i, p in enumerate(role.params)]
-    with torch.no_grad():  # two inner steps' worth of change after the tensors went out
-        for p, d in zip(role.params, progress):
-            p.add_(d)
-    role._outer_step(mean, 2, sent, True)
-    want_phi = ref.outer_step(theta_sent, mean, n=2)
-    for phi, w in zip(role.outer.phi, want_phi):
-        torch.testing.assert_close(phi, w, rtol=0, atol=0)
-    for p, w, d in zip(role.params, want_phi, progress):
-        torch.testing.assert_close(p.detach(), w + d, rtol=0, atol=1e-6)
-    # a solo step reads our own theta: the one sent, not the one trained on since
-    sent = role._outgoing()
-    theta_sent = [s.clone() for s in sent]
-    with torch.no_grad():
-        for p, d in zip(role.params, progress):
-            p.add_(d)
-    role._outer_step(None, 1, sent, True)
-    want_phi = ref.outer_step(theta_sent, None, n=1)
-    for phi, w in zip(role.outer.phi, want_phi):
-        torch.testing.assert_close(phi, w, rtol=0, atol=1e-6)
-    for p, w, d in zip(role.params, want_phi, progress):
-        torch.testing.assert_close(p.detach(), w + d, rtol=0, atol=1e-6)
-
-
-def test_role_snapshot_is_a_host_copy_not_the_live_phi():
-    role = _bare_role()
-    snap = role._snapshot_now()
-    assert snap.meta == {"round": 0}
-    for n, phi in zip(role.names, role.outer.phi):
-        t = snap.weights[n]
-        assert t.device == CPU and t.dtype == torch.float32 and t.data_ptr() != phi.data_ptr() and torch.equal(t, phi)

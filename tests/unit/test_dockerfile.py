@@ -1,6 +1,6 @@
 """Lint the Dockerfile, deploy/compose.yaml, prometheus.yml and example configs (no Docker here).
 
-Checks what ops.md §7–8 and issue 16 promise: hadolint passes, exec-form ENTRYPOINT/CMD/HEALTHCHECK,
+Checks what docs/operations.md, 'Docker' and issue 16 promise: hadolint passes, exec-form ENTRYPOINT/CMD/HEALTHCHECK,
 tini as PID 1, a non-root user, no secrets, the ports, COPY sources that exist and survive
 .dockerignore, an entry command that resolves to the console script pyproject.toml declares, and
 the compose swarm's structure (profiles, health-checked start order, grace periods, shm, GPU).

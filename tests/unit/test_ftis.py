@@ -1,4 +1,4 @@
-"""rl/ftis.py: truncated weights, the KL filter, stats and the three modes (grpo.md §8 G8-G10)."""
+"""rl/ftis.py: truncated weights, the KL filter, stats and the three modes (docs/grpo.md, 'F-TIS')."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""rl/grpo.py: advantages, clipping, k3 KL, loss aggregation (grpo.md §8 G1, G3-G7)."""
+"""rl/grpo.py: advantages, clipping, k3 KL, loss aggregation (docs/grpo.md, 'GRPO loss')."""
 
 import math
 

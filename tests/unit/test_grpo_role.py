@@ -1,6 +1,7 @@
 """Round-logic pieces of the grpo role: signed batches, bus shards, the validating inbox (refusals
-counted by reason, per-sender ignore window), the round config hash, foreign selection and one
-learner step over mixed groups. Pure CPU, no network."""
+counted by reason, per-sender ignore window), the round config hash, foreign selection, one
+learner step over mixed groups, the run knobs and the role's size, and the exchange policy
+(rl/grpo_peers.py: collect, publish) over a fake DHT index. Pure CPU, no network."""
 
 from __future__ import annotations
 
@@ -157,6 +158,45 @@ def test_round_config_hash_covers_swarm_fields_only():
     assert RO.WIRE_VERSION == 1  # = rl.grpo_config.WIRE_VERSION
 
 
+def test_run_knobs_share_the_training_names_and_keep_the_old_one():
+    """``[grpo]`` is a RunSettings: exit_after (once exit_after_rounds), eval_every, torch_threads;
+    checkpoint_every is refused (the role writes none); run knobs are not in config_hash."""
+    assert GRPOConfig.model_validate({"exit_after_rounds": 12}).exit_after == 12
+    assert GRPOConfig(exit_after=3, eval_every=0, torch_threads=1).config_hash("tok") == \
+        GRPOConfig().config_hash("tok")
+    with pytest.raises(ValueError, match="same setting"):
+        GRPOConfig.model_validate({"exit_after_rounds": 1, "exit_after": 2})
+    with pytest.raises(ValueError, match="writes no checkpoints"):
+        GRPOConfig(checkpoint_every=5)
+    assert GRPOConfig().eval_every == 5
+
+
+def test_tally_reward_span_and_role_class_size():
+    """The finish figures average the first and last (up to) 5 rounds; the role stays an engine
+    plus round policy: at most 20 instance attributes, base included."""
+    import ast
+    import inspect
+    import textwrap
+
+    from node.roles import RoleBase
+    from node.training import TrainingRole
+    from rl.grpo_metrics import Tally
+    from rl.grpo_role import GRPOCard, GRPORole
+
+    t = Tally(rewards=[0.0] * 20 + [1.0] * 20)
+    assert t.reward_span() == (0.0, 1.0)
+    assert Tally(rewards=[0.5]).reward_span() == (0.5, 0.5) and Tally().reward_span() == (0.0, 0.0)
+    attrs = set()
+    for cls in (GRPORole, TrainingRole, RoleBase):
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "self":
+                attrs.add(node.attr)
+    assert 10 < len(attrs) <= 20, sorted(attrs)
+    assert GRPOCard(round=3, reward=0.5).details() == {"round": 3, "reward": 0.5}
+    assert len(GRPOCard.model_fields) <= 16   # a node card carries at most 16 details
+
+
 def _learners(mode: str):
     cfg = GRPOConfig(mode=mode, prompts_per_round=4, completions_per_prompt=3, warmup_target_acc=0,
                      max_completion_tokens=8, heldout_size=4, foreign_per_prompt=2, per_sender_per_prompt=1)
@@ -283,3 +323,83 @@ def test_learner_samples_and_trains_on_cuda(precision):
                                   config_hash=cpu.config_hash)) is None
     st = gpu.train(g, [RO.decode(RO.encode(cpu.batch(cpu.generate(2))))])
     assert np.isfinite(st.loss) and st.n_foreign > 0
+
+
+# ---------------- the rollout exchange policy (rl/grpo_peers.py), with a fake DHT index ----------------
+def _peers(key, monkeypatch, entries, fetched):
+    """A RolloutPeers with a real supervisor and inbox; the DHT index and the gRPC fetch are fakes."""
+    from types import SimpleNamespace
+
+    from node.supervisor import Supervisor
+    from rl import grpo_peers
+
+    async def read(dht, run, r, timeout):
+        return entries
+
+    async def publish(*args, **kwargs):
+        raise OSError("dht down")
+
+    monkeypatch.setattr(grpo_peers.INDEX, "read", read)
+    monkeypatch.setattr(grpo_peers.INDEX, "publish", publish)
+    config = SimpleNamespace(run_id=RUN, grpc=SimpleNamespace(max_message_bytes=1 << 20))
+    ctx = SimpleNamespace(config=config, peer_id="me", eventbus=None, supervisor=Supervisor(), grpc_addr="127.0.0.1:1",
+                          membership=SimpleNamespace(dht=None))
+    peers = grpo_peers.RolloutPeers(ctx, GRPOConfig(transport="dht", temperature=0.7, max_completion_tokens=24,
+                                                    prompts_per_round=4), key)
+    prompts = [SimpleNamespace(prompt_id=hashlib.sha256(b"p%d" % g).digest()) for g in range(4)]
+    peers.learner = SimpleNamespace(task=SimpleNamespace(prompts=lambda run, r, n: prompts), tokenizer_hash=TOKHASH,
+                                    policy=SimpleNamespace(vocab_size=256), config_hash="cfg")
+
+    async def fetch(addr, pid, run, r, me, timeout):
+        return fetched.get(pid)
+
+    peers.fetcher.fetch = fetch
+    return peers
+
+
+async def test_collect_fetches_indexed_peers_until_the_deadline(key, monkeypatch):
+    import time
+
+    from rl.grpo_exchange import RolloutIndexEntry
+
+    other = generate_key()
+    pid = peer_id_str(other)
+    good = sign_batch(other, _batch(pid))
+    entries = {pid: RolloutIndexEntry(round=3, digest=hashlib.sha256(good.body).hexdigest(), n_groups=2,
+                                      n_tokens=20, grpc_addr="127.0.0.1:2"),
+               "12D3KooWgone": RolloutIndexEntry(round=3, digest="0" * 64, n_groups=1, n_tokens=1,
+                                                 grpc_addr="127.0.0.1:3"),
+               "me": RolloutIndexEntry(round=3, digest="0" * 64, n_groups=1, n_tokens=1, grpc_addr="127.0.0.1:1")}
+    peers = _peers(key, monkeypatch, entries, {pid: good})
+    t0 = time.time()
+    got = await peers.collect(3, t0 + 0.4, lambda: False)
+    assert [b.sender for b in got] == [pid] and peers.last_collect == (2, 1)   # 2 others listed, 1 fetched
+    assert time.time() - t0 >= 0.3          # a peer that never answers does not end the collection early
+    got = await peers.collect(3, time.time() + 5, lambda: True)   # stopping: returns at once, nothing new
+    assert got == [] and peers.expect(3).prompt_ids == frozenset(p.prompt_id for p in peers.learner.task.prompts(
+        RUN, 3, 4))
+    await peers.close()
+
+
+async def test_publish_serves_the_batch_and_a_failure_is_logged_not_fatal(key, monkeypatch, caplog):
+    import asyncio
+
+    from rl.grpo_peers import PUBLISH_SLOTS
+
+    peers = _peers(key, monkeypatch, {}, {})
+    b = _batch(peer_id_str(key))
+    s = sign_batch(key, b)
+    peers.publish_in_background(3, s, b)
+    assert peers.servicer._batches[3] is s
+    await asyncio.sleep(0.05)
+    assert peers.ctx.supervisor.failed is None
+    assert [r._fields["round"] for r in caplog.records if getattr(r, "event", None) == "grpo_publish_failed"] == [3]
+
+    async def stuck(*args, **kwargs):
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr("rl.grpo_peers.INDEX.publish", stuck)
+    peers.publish_in_background(4, s, b)
+    peers.publish_in_background(4 + PUBLISH_SLOTS, s, b)   # the slot is still busy: logged, not raised
+    assert [r._fields["round"] for r in caplog.records if getattr(r, "event", None) == "grpo_publish_failed"] == [3, 12]
+    await peers.ctx.supervisor.cancel_all()

@@ -1,11 +1,12 @@
-"""node/grpc_server.py KnownPeers: who may call this node, from its cached view of the cards."""
+"""node/known_peers.py KnownPeers: who may call this node, from its cached view of the cards."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
-from node.grpc_server import KnownPeers, _bannable
+from node.call_guard import _bannable
+from node.known_peers import KnownPeers
 
 
 def _view(peer_id: str, addr: str, state: str = "ready"):

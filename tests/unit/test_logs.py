@@ -118,6 +118,25 @@ def test_emit_event_fields_may_shadow_record_attributes():
     assert rec["peer_id"] == "12D3KooWxyz"
 
 
+def test_emit_writes_each_value_once_the_message_is_a_template_over_the_fields():
+    def body():
+        emit(log, "round_done", "round {round}: loss {loss:.3f} from {peers} peers", round=7, loss=0.12345, peers=2)
+        emit(log, "odd", "loss {loss:.3f} of {missing}", loss=None)            # does not fit: still logged
+        emit(log, "warned", "value {v}", level=logging.WARNING, v=1)
+        try:
+            1 / 0
+        except ZeroDivisionError as exc:
+            emit(log, "failed", "step failed: {error}", level=logging.ERROR, exc_info=exc, error=repr(exc))
+    done, odd, warned, failed = [_strict(x) for x in _run(LogConfig(), body)]
+    assert done["msg"] == "round 7: loss 0.123 from 2 peers" and done["event"] == "round_done"
+    assert done["round"] == 7 and done["loss"] == 0.12345 and done["peers"] == 2
+    assert odd["msg"] == "loss {loss:.3f} of {missing}" and odd["loss"] is None
+    assert warned["level"] == "warning" and warned["msg"] == "value 1"
+    assert failed["level"] == "error" and "ZeroDivisionError" in failed["exc"] and failed["error"].startswith("Zero")
+    text = _run(LogConfig(format="text"), lambda: emit(log, "round_done", "round {round}", round=3))
+    assert text[0].endswith("round 3 [round_done] round=3")
+
+
 def test_level_filter():
     lines = _run(LogConfig(level="warning"), lambda: (log.info("no"), log.warning("yes")))
     assert [_strict(x)["msg"] for x in lines] == ["yes"]
@@ -199,7 +218,7 @@ def test_import_is_cheap():
 
 @pytest.mark.timeout(120)
 def test_hivemind_logs_reach_the_root_handler_once():
-    """In a subprocess: hivemind must not share a process with py-libp2p (ARCHITECTURE.md)."""
+    """In a subprocess: hivemind must not share a process with py-libp2p (docs/architecture.md, 'Processes')."""
     pytest.importorskip("hivemind")
     r = _python(
         "import logging, sys\n"

@@ -152,7 +152,7 @@ def test_byte_tokenizer_invalid_utf8_replaced():
 
 
 def test_models_package_imports_no_comm_code():
-    """ARCHITECTURE.md: models never import comm (static check of every import statement)."""
+    """docs/architecture.md, 'Layer rules': models never import comm (static check of every import statement)."""
     import ast
     import pathlib
 

@@ -1,4 +1,4 @@
-"""Source-tree lint (security.md §6): no pickle, unguarded torch.load, unsafe YAML or eval.
+"""Source-tree lint (docs/security.md, 'Deserialization'): no pickle, unguarded torch.load, unsafe YAML or eval.
 
 Peer bytes are decoded only as protobuf, msgpack or raw tensor bytes. This test parses every
 .py file of the product packages (generated *_pb2*.py and tests/ are skipped) and fails with

@@ -74,7 +74,7 @@ def registry_names() -> set[str]:
     """Every series name a fully loaded node can expose (sample names, e.g. ``x_total``, ``x_bucket``)."""
     import node.device  # noqa: F401 - device series join the registry on import
     import node.eventbus.metrics  # noqa: F401
-    import node.grpc_server  # noqa: F401 - ban series
+    import node.call_guard  # noqa: F401 - ban series
     from node import metrics, swarm_metrics
     from node.roles import load_installed_roles
 

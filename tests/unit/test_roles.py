@@ -91,6 +91,8 @@ def test_broken_role_is_skipped_with_an_error(tmp_path, monkeypatch, caplog):
         roles = load_installed_roles()
     assert "toy" not in roles and "noloco" in roles
     assert any("'toy'" in r.getMessage() and "frobnicate" in r.getMessage() for r in caplog.records)
+    [failed] = [r for r in caplog.records if getattr(r, "event", None) == "role_load_failed"]
+    assert failed._fields["role_name"] == "toy" and "frobnicate" in failed._fields["error"]
 
 
 async def test_bootstrap_hosts_the_services_and_namespaces_installed_roles_declare(toy_installed):

@@ -1,4 +1,4 @@
-"""Poisoned-rollout defenses (grpo.md §4): the logit / support check, the judges and their cache, the
+"""Poisoned-rollout defenses (docs/grpo.md, 'Defenses'): the logit / support check, the judges and their cache, the
 rejection-rate ban, the per-sender token budget, and the GRPO glue (rl/defense.py) against the
 attack harness (rl/adversary.py) on real tiny models. Pure CPU, no network."""
 

@@ -91,7 +91,7 @@ def test_noloco_follows_the_highest_live_compatible_peer():
     from optimizers.noloco_role import NoLoCoRole
 
     role = NoLoCoRole.__new__(NoLoCoRole)  # only the filter's inputs: our peer ID and config hash
-    role.ctx, role.cfg_hash = type("Ctx", (), {"peer_id": "me"})(), "abc123"
+    role.ctx, role._cfg_hash = type("Ctx", (), {"peer_id": "me"})(), "abc123"  # what the cfg_hash property reads
     views = [_view("me", 99), _view("a", 7), _view("b", 12), _view("c", 40, state="draining"),
              _view("d", 50, cfg="other"), _view("e", 60, role="bootstrap"), _view("f", None),
              _view("g", True), _view("h", "30")]

@@ -1,4 +1,4 @@
-"""The SkipPipe executor (pipeline/stage_exec.py) on in-process nodes: pipeline.md P9-P16.
+"""The SkipPipe executor (pipeline/stage_exec.py) on in-process nodes (docs/pipeline.md, 'Stage execution').
 
 Messages between executors are delivered by a tiny in-process loop (the executors are
 transport-free; the real streams are covered by tests/integration/test_pipeline_swarm.py), in

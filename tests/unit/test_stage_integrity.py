@@ -1,4 +1,4 @@
-"""The three pipeline-backdoor checks (security/stage_integrity.py; pipeline.md §4, P27-P29).
+"""The three pipeline-backdoor checks (security/stage_integrity.py; docs/pipeline.md, 'Stage-integrity checks').
 
 Each check must flag its crafted deviation and stay silent on honest replicas, including two
 honest replicas that drift apart at ulp level because they average their gradients in different
@@ -185,7 +185,7 @@ def test_update_monitor_flags_over_bound_steps_not_honest_adam():
     for t in range(30):
         before, _, _ = rep.step_with(_grad_parts(rep.module, gen))
         assert mon.observe(t, before, _weights(rep.module), LR, step=rep.step).ok
-    # a double step (pipeline.md §8 pitfall 1) at 10x the LR
+    # a double step (the official code's pitfall: Adam stepping twice per iteration) at 10x the LR
     before, _, _ = rep.step_with(_grad_parts(rep.module, gen))
     for g in rep.opt.param_groups:
         g["lr"] = 10 * LR
@@ -258,7 +258,7 @@ def test_verify_commit_and_spot_sampler():
 
 def test_flags_are_counted_by_check_on_the_node_registry():
     from node.metrics import REGISTRY
-    from security.integrity_metrics import SECURITY_FLAGS, count_flags
+    from node.integrity_metrics import SECURITY_FLAGS, count_flags
 
     def value(check: str) -> float:
         return REGISTRY.get_sample_value("swarmnode_security_flags_total", {"check": check}) or 0.0

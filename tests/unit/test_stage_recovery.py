@@ -1,5 +1,5 @@
 """CheckFree in the live role, the pure parts: the executor aborts an iteration whose schedule lost
-a node and restarts it cleanly (pipeline.md §3.3 "in-flight iteration"); the coordinator's vacancy;
+a node and restarts it cleanly (docs/pipeline.md, 'CheckFree recovery', in-flight iteration); the coordinator's vacancy;
 the recovery helpers (renaming a neighbour's blocks, applying a rebuild: fresh optimizer at the
 scaled LR, a replica's AdamW state as is)."""
 

@@ -72,3 +72,20 @@ def test_grpo_rollout_bans_mark_the_poisoner():
     assert rows[poisoner]["banned_by"] == 2 and "banned_by" not in rows[honest]
     table = format_table(list(rows.values()))
     assert "BANNED_BY" in table and "GRPO_BANNED_IDS" not in table and "GRPO_BANNED" in table
+
+
+def test_protocol_internals_read_as_an_operator_reads_them():
+    """A wall-clock detail reads relative to now; a flag shows only when set (the raw values stay in --json)."""
+    views = [_view("12D3KooWWORKWORKWORKWORKWORK1", "noloco", "ready", 1_799_999_999.0, 2.0, round=3,
+                   next_exchange_at=1_800_000_000.4, finishing=False),
+             _view("12D3KooWWORKWORKWORKWORKWORK2", "noloco", "ready", 1_799_999_999.0, 2.0, round=3,
+                   next_exchange_at=1_799_999_998.0, finishing=False)]
+    rows = card_rows(views, now=1_800_000_000.0)
+    assert rows[0]["next_exchange_at"] == 1_800_000_000.4 and rows[0]["finishing"] is False   # raw for --json
+    lines = format_table(rows, now=1_800_000_000.0).splitlines()
+    assert lines[0].split() == ["PEER_ID", "ROLE", "STATE", "ROUND", "NEXT_EXCHANGE", "ADDRESS", "AGE_S"]
+    assert "in 0.4 s" in lines[1] and "2.0 s ago" in lines[2]
+    assert "e+09" not in "\n".join(lines) and "False" not in "\n".join(lines)
+    views[1].card.details["finishing"] = True           # took its last round: now it matters
+    lines = format_table(card_rows(views, now=1_800_000_000.0), now=1_800_000_000.0).splitlines()
+    assert "FINISHING" in lines[0] and lines[2].split()[-3] == "yes" and "False" not in "\n".join(lines)

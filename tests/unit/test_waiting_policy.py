@@ -1,4 +1,7 @@
-"""optimizers/waiting.py: the NoLoCo waiting bound and the "nobody can meet us" rule (issue 8)."""
+"""optimizers/waiting.py: the NoLoCo waiting bound and the "nobody can meet us" rule (issue 8).
+
+The rules read plain ``PeerPlan`` values; ``view`` builds each from a node card the way the role
+reads it (``optimizers.noloco_role.peer_plan``), so junk card values are covered too."""
 
 from __future__ import annotations
 
@@ -6,13 +9,14 @@ import pytest
 
 from node.card import CardView, NodeCard
 from optimizers.config import NoLoCoConfig
-from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, someone_can_meet, steps_to_wait, wait_bound
+from optimizers.noloco_role import peer_plan
+from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, PeerPlan, someone_can_meet, steps_to_wait, wait_bound
 
 
-def view(peer, **details):
+def view(peer, **details) -> PeerPlan:
     card = NodeCard(role="noloco", state="ready", version="0", grpc_addr="127.0.0.1:1", started_at=0.0,
                     published_at=0.0, details=details)
-    return CardView(peer_id=peer, card=card, expiration=0.0)
+    return peer_plan(CardView(peer_id=peer, card=card, expiration=0.0))
 
 
 def test_bound_is_a_fraction_of_the_own_inner_phase():
@@ -98,3 +102,11 @@ def test_idle_steps_default_and_not_hashed():
     cfg = NoLoCoConfig()
     assert cfg.idle_steps == 1.0
     assert NoLoCoConfig(idle_steps=4.0).cfg_hash() == cfg.cfg_hash()
+
+
+def test_peer_plan_reads_only_well_formed_details():
+    assert PeerPlan.from_details({FINISHING: True, NEXT_EXCHANGE_AT: 12.5}, 3) == PeerPlan(3, True, 12.5)
+    for junk in ("12", True, float("inf"), None):
+        assert PeerPlan.from_details({FINISHING: "yes", NEXT_EXCHANGE_AT: junk}, None) == PeerPlan(None, False, None)
+    assert view("a", round=2 ** 80).round is None   # out of the card range: read as no round
+    assert view("a", round=4, **{NEXT_EXCHANGE_AT: 7}).next_exchange_at == 7.0

@@ -1,8 +1,9 @@
-"""Prometheus series of the stage-integrity checks (pipeline.md §4, security.md §7).
+"""Prometheus series of the stage-integrity checks (the checks: security/stage_integrity.py).
 
 Declared once, on the node's isolated registry, so the stage role (its own checks and peer
-audits) and the coordinator (``ReportAnomaly``) count into the same series. Only declares and
-counts; which checks run and what happens to a flagged node is the caller's business
+audits) and the coordinator (``ReportAnomaly``) count into the same series. It lives in
+``node``, beside that registry: the security layer below never imports the node. Only declares
+and counts; which checks run and what happens to a flagged node is the caller's business
 (security/stage_integrity.py for the checks, the stage role and coordinator for the response).
 Importing this module adds the series to a node's registry: whoever imports it first in a role
 must also drop ``swarmnode_security_flags_total`` from ``PENDING_METRICS`` in deploy/dashboards.py.

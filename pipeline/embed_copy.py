@@ -1,0 +1,79 @@
+"""Stage 1's copy of stage 0 (CheckFree): what rebuilds the data nodes' stage when all of them are lost.
+
+Stage 0 (embedding, final norm, head) has no neighbour on one side to average with, so stage-1
+nodes keep a copy of its weights in host memory: fetched from a data node after stage 1's first
+step and every `stage.checkfree.embed_copy_every` iterations (`WeightService.Fetch`), served to a
+replacement as stage 0's state stamped with the holder's own iteration (the replacement joins
+there; pipeline/recovery.py rule `embed_copy`). A failed refresh keeps the older copy and is
+logged; the next one tries again. At most one refresh runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from node.logs import emit
+from node.state_sync import StateSnapshot
+from pipeline import stage_metrics as M
+from pipeline.recovery import StageRecovery
+from pipeline.stage_progress import StageCard
+
+log = logging.getLogger("swarmnode.stage")
+
+
+class EmbedCopy:
+    """The copy one stage-1 node keeps. `every` = `stage.checkfree.embed_copy_every` (0 = none);
+    `update_card(StageCard, publish)` is the role's typed card update."""
+
+    def __init__(self, ctx, recovery: StageRecovery, every: int, update_card: Callable[[StageCard, bool], None]):
+        self.ctx, self.recovery, self.every, self.update_card = ctx, recovery, every, update_card
+        self.copy: StateSnapshot | None = None
+        self._task: asyncio.Task | None = None
+
+    def due(self, iteration: int) -> bool:
+        """A refresh is due after this step (the first one, then every `every`), none running."""
+        if not self.every or not (iteration % self.every == 0 or self.copy is None):
+            return False
+        return self._task is None or self._task.done()
+
+    def maybe_refresh(self, iteration: int) -> None:
+        """After stage 1's step `iteration`: start a refresh (supervised) when one is due."""
+        if self.due(iteration):
+            self._task = self.ctx.supervisor.spawn("stage_embed_copy", lambda: self.refresh(iteration),
+                                                   restart=False)
+
+    def served(self, stage: int, holder_iteration: int) -> StateSnapshot | None:
+        """The copy of `stage` this node serves (stage 0's only), stamped with this node's own
+        iteration: a replacement for stage 0 joins there."""
+        c = self.copy
+        if stage != 0 or c is None:
+            return None
+        return StateSnapshot({**c.meta, "holder_iteration": holder_iteration}, c.weights, None)
+
+    async def refresh(self, iteration: int) -> None:
+        """Download stage 0's weights of `iteration` (or later) from a data node and keep them."""
+        t0 = time.monotonic()
+        try:
+            meta, weights, _, donor = await self.recovery.fetch(0, optimizer=False, min_iteration=iteration)
+        except Exception as exc:  # noqa: BLE001 - RecoveryError or a transport error: keep the older copy
+            emit(log, "embed_copy_failed", "stage 0's copy not refreshed at iteration {iteration} ({error}); keeping "
+                 "the copy of iteration {kept}", level=logging.WARNING, iteration=iteration, error=str(exc),
+                 kept=self.copy.meta["iteration"] if self.copy else None)
+            return
+        got = int(meta["iteration"])
+        self.copy = StateSnapshot({"stage": 0, "iteration": got}, weights, None)
+        self.update_card(StageCard(embed_copy_iter=got), False)
+        M.EMBED_COPY_ITERATION.set(got)
+        emit(log, "embed_copy_refreshed", "kept a copy of stage 0 at iteration {iteration} from {donor}",
+             iteration=got, donor=donor, seconds=round(time.monotonic() - t0, 3),
+             bytes=sum(t.numel() * t.element_size() for t in weights.values()))
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+__all__ = ["EmbedCopy"]
