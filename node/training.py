@@ -200,6 +200,10 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
     # ---------------------------------------------------------------- the loop
     async def start(self) -> None:
         await self.ctx.set_role_ready(False, "role_init", "building the engine")
+        # The DHT is up (hivemind forked first): CUDA may be touched now, on the compute thread that
+        # runs every CUDA call after it. A missing GPU raises ConfigError here, so the node stops at
+        # start with the message (exit 2), never from inside the training task (exit 1).
+        self.device = await self.compute.run(resolve_device, self.ctx.config.device)
         self.ctx.supervisor.spawn(f"{self.name}_train", self.train, restart=False)
 
     async def train(self) -> None:
@@ -290,9 +294,9 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
 
     # ---------------------------------------------------------------- device
     def place(self) -> dict[str, Any]:
-        """Compute thread, in :meth:`setup` (the DHT is up: CUDA may be touched now): resolve
-        ``[device]`` into ``self.device``; returns its card details (``TrainingCard`` fields)."""
-        self.device = resolve_device(self.ctx.config.device)
+        """Compute thread, in :meth:`setup`: the card details (``TrainingCard`` fields) of
+        ``self.device``, which :meth:`start` resolved from ``[device]``. Override to move the
+        engine there (call this first)."""
         record_memory(self.device)
         return device_details(self.device)
 

@@ -123,15 +123,28 @@ async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
             await link.send_done(stream)
             await link.recv_done(stream)
         return ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0), None
-    except TensorRejected as exc:
+    except (TensorRejected, PeerError, TimeoutError) as exc:
+        return _failed(link, pid, charge_to, exc, _sent_by(sender, sent), recv)
+    finally:
+        sender.cancel()
+
+
+def _sent_by(sender: asyncio.Task, counted: int) -> int:
+    """Bytes our sender task put on the stream, also when the round failed after it finished (the
+    partner may have refused what it received)."""
+    if sender.done() and not sender.cancelled() and sender.exception() is None:
+        return sender.result()
+    return counted
+
+
+def _failed(link: ExchangeLink, pid: str, charge_to: str | None, exc: Exception, sent: int,
+            recv: int) -> tuple[ExchangeResult, TensorRejected | None]:
+    if isinstance(exc, TensorRejected):
         if not isinstance(exc, StreamRejected):  # the stream's own refusals are counted where they happen
             link.count(exc.reason)
             link.charge(charge_to, exc.reason)
             log.warning("tensors from %s rejected: %s; this round is solo", pid[:16], exc)
         return ExchangeResult(None, 1, [pid], C.FAILED, exc.reason, sent, recv), exc
-    except (PeerError, TimeoutError) as exc:
-        reason = exc.reason if isinstance(exc, PeerError) else "timeout"
-        log.warning("pair exchange with %s failed (%s: %s); this round is solo", pid[:16], reason, exc)
-        return ExchangeResult(None, 1, [pid], C.FAILED, reason, sent, recv), None
-    finally:
-        sender.cancel()
+    reason = exc.reason if isinstance(exc, PeerError) else "timeout"
+    log.warning("pair exchange with %s failed (%s: %s); this round is solo", pid[:16], reason, exc)
+    return ExchangeResult(None, 1, [pid], C.FAILED, reason, sent, recv), None
