@@ -16,7 +16,7 @@ SOURCES = ("node", "protocol", "security", "models", "optimizers", "pipeline", "
            "deploy", "scripts")
 CODE_POINTER = re.compile(r"docs/([a-z_]+\.md),\s+'([^']+)'")
 MD_LINK = re.compile(r"\]\((?:docs/)?([a-z_]+\.md)#([a-z0-9-]+)\)")
-OUTSIDE = re.compile(r"shared/design|§|\b(?:ARCHITECTURE|ops|style)\.md\b|(?<![/\w])(?:noloco|pipeline|grpo|security)\.md\b")
+OUTSIDE = re.compile(r"shared[/]design|§|\b(?:ARCHITECTURE|ops|style)\.md\b|(?<![/\w])(?:noloco|pipeline|grpo|security)\.md\b")
 
 
 def _anchor(heading: str) -> str:
