@@ -78,13 +78,14 @@ class ExchangeLink:
             pace=self.pacer(pid), timeout=timeout, method=C.METHOD, expected=self.expected,
             on_reject=lambda reason: self.rejected(pid, reason))
 
-    async def send(self, stream: TensorStream, tensors: Sequence[torch.Tensor]) -> int:
-        """Stream ``tensors`` under the spec names; returns their payload bytes."""
-        n = 0
+    async def send(self, stream: TensorStream, tensors: Sequence[torch.Tensor], sent: list[int] | None = None) -> int:
+        """Stream ``tensors`` under the spec names; returns their payload bytes. ``sent[0]`` (when
+        given) counts them as they go, so a round that fails midway still reports what left."""
+        sent = [0] if sent is None else sent
         for name, t in zip(self.names, tensors):
             await self._io(stream, stream.send(name, t))
-            n += t.numel() * t.element_size()
-        return n
+            sent[0] += t.numel() * t.element_size()
+        return sent[0]
 
     async def recv_tensors(self, stream: TensorStream, check: bool = True) -> tuple[list[torch.Tensor], int]:
         """The partner's tensors in spec order (checked, finite if ``check``) and their bytes."""

@@ -112,29 +112,21 @@ async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
     averaged only once the partner's "done" arrives. Returns the result and, when we rejected
     the partner's tensors, why (counted, and ``charge_to`` charged: pass only a peer known to
     have sent them)."""
-    sent, recv, t0 = 0, 0, time.perf_counter()
-    sender = task(link.send(stream, st.tensors))
+    sent, recv, t0 = [0], 0, time.perf_counter()
+    sender = task(link.send(stream, st.tensors, sent))
     try:
         async with asyncio.timeout(max(0.0, remaining(st.deadline))):
             theirs, recv = await link.recv_tensors(stream, check=False)
-            sent = await sender  # all of ours goes out before any verdict: the partner judges our tensors itself
+            await sender  # all of ours goes out before any verdict: the partner judges our tensors itself
             await link.check_bounds(st.tensors, theirs)
             mean = await link.mean([(link.peer_id, st.tensors), (pid, theirs)])
             await link.send_done(stream)
             await link.recv_done(stream)
-        return ExchangeResult(mean, 2, [pid], C.OK, "", sent, recv, exchange_s=time.perf_counter() - t0), None
+        return ExchangeResult(mean, 2, [pid], C.OK, "", sent[0], recv, exchange_s=time.perf_counter() - t0), None
     except (TensorRejected, PeerError, TimeoutError) as exc:
-        return _failed(link, pid, charge_to, exc, _sent_by(sender, sent), recv)
+        return _failed(link, pid, charge_to, exc, sent[0], recv)
     finally:
         sender.cancel()
-
-
-def _sent_by(sender: asyncio.Task, counted: int) -> int:
-    """Bytes our sender task put on the stream, also when the round failed after it finished (the
-    partner may have refused what it received)."""
-    if sender.done() and not sender.cancelled() and sender.exception() is None:
-        return sender.result()
-    return counted
 
 
 def _failed(link: ExchangeLink, pid: str, charge_to: str | None, exc: Exception, sent: int,

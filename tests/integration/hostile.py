@@ -10,6 +10,7 @@ choosing. It is what a stranger to the swarm can build from the public code.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -104,6 +105,10 @@ class Attacker:
         path = write_key_file(tmp / f"{name}.key", self.key)
         validator = SignedRecordValidator(self.run_id, self.key, [CARD_NAMESPACE, ROSTER_NAMESPACE],
                                           coordinator_peer_id=coordinator, admission_token=token)
+        # hivemind forks its DHT process from this (threaded, gRPC-using) test process: collect the
+        # earlier tests' gRPC garbage first, so the child's garbage collector never finalizes an
+        # inherited gRPC object (a clean-clone CI run saw the forked child segfault doing that).
+        gc.collect()
         self.dht = hivemind.DHT(initial_peers=[swarm.bootstrap_maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                 identity_path=str(path), check_if_identity_free=False, start=True,
                                 record_validators=[validator])
