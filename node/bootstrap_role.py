@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from node.card import CardView, read_cards
+from node.logs import emit
 from node.metrics import RPC_REJECTED
 from node.roles import NodeContext, RoleBase, Service, load_installed_roles, register
 from node.swarm_metrics import CENSUS
@@ -72,8 +73,8 @@ class BootstrapRole(RoleBase):
                           "swarmnode.Coordinator")]
         for name, role in load_installed_roles(skip=(self.name,)).items():
             for service in getattr(role, "bootstrap_services", lambda ctx: [])(self.ctx):
-                log.info("hosting %s for role %s", service.name, name,
-                         extra={"event": "bootstrap_service", "service": service.name, "role_name": name})
+                emit(log, "bootstrap_service", "hosting {service} for role {role_name}", service=service.name,
+                     role_name=name)
                 hosted.append(Service(*service))
         return hosted
 

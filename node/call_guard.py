@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 import grpc
 from prometheus_client import Counter, Gauge
 
+from node.logs import emit
 from node.metrics import REGISTRY, RPC_REJECTED
 from security.call_pipeline import Call, Step
 from security.config import LimitsConfig
@@ -99,8 +100,8 @@ class CallGuard:
     # ---- counting and banning ----
     def _on_ban(self, key, reason: str) -> None:
         PEER_BANS.inc()
-        log.warning("banned %s for %.0f s after repeated rejected calls (last: %s)", key, self.limits.ban_s, reason,
-                    extra={"event": "peer_banned", "key": str(key), "reason": reason})
+        emit(log, "peer_banned", "banned {key} for {ban_s:.0f} s after repeated rejected calls (last: {reason})",
+             level=logging.WARNING, key=str(key), ban_s=self.limits.ban_s, reason=reason)
         if self._on_ban_cb is not None:
             try:
                 self._on_ban_cb(key, reason)

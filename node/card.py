@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from node.dht_records import read_entries_at, store_entry
 from node.lifecycle import State
+from node.logs import emit
 from security.records import Namespace
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -120,7 +121,8 @@ class CardPublisher:
         try:
             ok = await store_entry(dht, cards_key(self.run_id), self.peer_id, self.card(), ttl)
         except Exception as exc:  # noqa: BLE001 - counted; the next refresh retries
-            log.warning("publishing node card failed: %r", exc, extra={"event": "card_publish_failed"})
+            emit(log, "card_publish_failed", "publishing node card failed: {error}", level=logging.WARNING,
+                 error=repr(exc))
             ok = False
         return ok
 

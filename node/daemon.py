@@ -28,7 +28,7 @@ from node.grpc_server import GrpcHost
 from node.identity import ensure_identity
 from node.known_peers import KnownPeers
 from node.lifecycle import Lifecycle, State
-from node.logs import set_context
+from node.logs import emit, set_context
 from node.membership import Membership
 from node.netem import LinkEmulator
 from node.node_service import NodeServicer
@@ -72,8 +72,7 @@ class Node:
     def prepare(self) -> None:
         key, self.peer_id, key_path = ensure_identity(self.cfg.identity)
         set_context(peer_id=self.peer_id, role=self.cfg.role, run_id=self.cfg.run_id, state="joining")
-        log.info("effective config", extra={"event": "config_effective", "config": redacted(self.cfg),
-                                            "version": VERSION})
+        emit(log, "config_effective", "effective config", config=redacted(self.cfg), version=VERSION)
         namespaces = [CARD_NAMESPACE, *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
         sec = self.cfg.security
         self.key, self.admission_token = key, None
@@ -172,8 +171,8 @@ class Node:
         while True:
             ok = await self.membership.join(lambda status: self._refresh_readiness())
             if not ok:
-                log.error("no initial peer answered within dht.bootstrap_deadline_s; giving up (exit 4)",
-                          extra={"event": "bootstrap_gave_up"})
+                emit(log, "bootstrap_gave_up", "no initial peer answered within dht.bootstrap_deadline_s; giving up "
+                     "(exit 4)", level=logging.ERROR)
                 self._exit_code = EXIT_BOOTSTRAP_GAVE_UP
                 self.request_drain("bootstrap_gave_up")
                 return
@@ -182,7 +181,7 @@ class Node:
             while True:
                 await asyncio.sleep(5.0)
                 if await self.membership.peer_count() == 0:
-                    log.warning("routing table empty: re-bootstrapping", extra={"event": "dht_no_peers"})
+                    emit(log, "dht_no_peers", "routing table empty: re-bootstrapping", level=logging.WARNING)
                     self.membership.status.joined = False
                     self.membership.status.attempts = 0
                     await self._refresh_readiness()
@@ -222,8 +221,8 @@ class Node:
         metrics.follow_lifecycle(*self.lifecycle.snapshot())
         await self.grpc.start()
         self.ops.start()
-        log.info("node listening", extra={"event": "node_listening", "grpc_addr": self.grpc_addr,
-                                          "ops_port": self.ops.port, "maddrs": self.membership.visible_maddrs()})
+        emit(log, "node_listening", "node listening", grpc_addr=self.grpc_addr, ops_port=self.ops.port,
+             maddrs=self.membership.visible_maddrs())
         self._install_signals()
         self.supervisor.spawn("card", self.card.run)
         self.supervisor.spawn("known_peers", self.known_peers.run)
@@ -245,9 +244,9 @@ class Node:
         """Token mode: when our admission token expires the swarm drops us (cards and calls are
         refused), so stop cleanly with exit 2 and say how to get a new one."""
         await asyncio.sleep(max(0.0, self.admission.expires_at - time.time()))
-        log.error("admission token expired: peers now refuse this node's card and calls; get a new token "
-                  "(`swarmnode admit --peer-id %s`), set security.admission_token_file and restart", self.peer_id,
-                  extra={"event": "admission_expired", "expires_at": self.admission.expires_at})
+        emit(log, "admission_expired", "admission token expired: peers now refuse this node's card and calls; get "
+             "a new token (`swarmnode admit --peer-id {peer}`), set security.admission_token_file and restart",
+             level=logging.ERROR, peer=self.peer_id, expires_at=self.admission.expires_at)
         self._exit_code = EXIT_CONFIG
         self.request_drain("admission_expired")
 
@@ -259,7 +258,7 @@ class Node:
     def _on_sigint(self) -> None:
         self._sigint_count += 1
         if self._sigint_count >= 2:
-            log.warning("second Ctrl-C: aborting without drain (exit 130)", extra={"event": "abort"})
+            emit(log, "abort", "second Ctrl-C: aborting without drain (exit 130)", level=logging.WARNING)
             try:  # best effort: stop p2pd with us; a drain may be shutting it down right now
                 if self.membership is not None:
                     self.membership.shutdown()
@@ -291,12 +290,12 @@ class Node:
         except asyncio.TimeoutError:
             overrun = True
         except Exception as exc:  # noqa: BLE001 - a drain step failing must not stop the drain
-            log.warning("drain step %s failed: %r", name, exc, extra={"event": "drain_step_failed", "step": name})
+            emit(log, "drain_step_failed", "drain step {step} failed: {error}", level=logging.WARNING, step=name,
+                 error=repr(exc))
             overrun = False
         dt = time.monotonic() - t0
-        log.log(logging.WARNING if overrun else logging.INFO, "drain step %s took %.2f s%s", name, dt,
-                " (over its budget)" if overrun else "",
-                extra={"event": "drain_step", "step": name, "duration_s": round(dt, 3), "overrun": overrun})
+        emit(log, "drain_step", "drain step {step} took {duration_s:.2f} s" + (" (over its budget)" if overrun else ""),
+             level=logging.WARNING if overrun else logging.INFO, step=name, duration_s=round(dt, 3), overrun=overrun)
 
     async def drain(self, trigger: str) -> None:
         # an AWS notice comes 2 minutes ahead: the role may use the longer budget to hand over work
@@ -317,8 +316,8 @@ class Node:
         self.ops.stop()
         dt = time.monotonic() - t0
         metrics.DRAIN_DURATION.set(dt)
-        log.info("drained in %.2f s (trigger %s)", dt, trigger,
-                 extra={"event": "drained", "duration_s": round(dt, 3), "trigger": trigger})
+        emit(log, "drained", "drained in {duration_s:.2f} s (trigger {trigger})", duration_s=round(dt, 3),
+             trigger=trigger)
 
 
 def run_node(cfg: NodeConfig) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.config import IdentityConfig
+from node.logs import emit
 from security.keys import IdentityError, generate_key, load_key_file, peer_id_str, write_key_file
 
 log = logging.getLogger("swarmnode.identity")
@@ -28,7 +29,7 @@ def ensure_identity(cfg: IdentityConfig) -> tuple[Ed25519PrivateKey, str, str]:
                 "or set identity.create_if_missing = true; refusing to make a new peer ID silently.")
         key = generate_key()
         write_key_file(path, key)
-        log.info("created a new identity at %s", path, extra={"event": "identity_created", "path": str(path),
-                                                              "peer": peer_id_str(key.public_key())})
+        emit(log, "identity_created", "created a new identity at {path}", path=str(path),
+             peer=peer_id_str(key.public_key()))
     key = load_key_file(path, allow_insecure_mode=cfg.allow_insecure_mode)
     return key, peer_id_str(key.public_key()), str(path)

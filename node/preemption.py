@@ -36,6 +36,8 @@ from typing import Any, Awaitable, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from node.logs import emit
+
 log = logging.getLogger(__name__)
 
 LOG_EVERY = 12          # failed polls between two error logs (1 min at the default 5 s)
@@ -165,24 +167,25 @@ class PreemptionWatcher:
             except Exception as exc:  # noqa: BLE001 - a watcher must never crash the node
                 self.errors += 1
                 if self.errors == 1 or self.errors % LOG_EVERY == 0:
-                    log.warning("%s metadata poll failed (%d in a row): %s; still polling",
-                                source, self.errors, exc, extra={"event": "preemption_poll_failed",
-                                                                 "source": source, "failures": self.errors})
+                    emit(log, "preemption_poll_failed", "{source} metadata poll failed ({failures} in a row): "
+                         "{error}; still polling", level=logging.WARNING, source=source, failures=self.errors,
+                         error=str(exc))
             else:
                 if self.errors:
-                    log.info("%s metadata answers again after %d failed polls", source, self.errors,
-                             extra={"event": "preemption_poll_recovered", "source": source})
+                    emit(log, "preemption_poll_recovered", "{source} metadata answers again after {failures} "
+                         "failed polls", source=source, failures=self.errors)
                 self.errors = 0
                 if self.notice is not None:
                     break
             await asyncio.sleep(max(0.0, self.cfg.poll_interval_s - (loop.time() - started)))
-        log.warning("spot preemption notice from %s: %s", source, self.notice,
-                    extra={"event": "preemption_notice", "source": source, "notice": self.notice})
+        emit(log, "preemption_notice", "spot preemption notice from {source}: {notice}", level=logging.WARNING,
+             source=source, notice=self.notice)
         if self._on_count is not None:
             try:
                 self._on_count(source)
             except Exception:  # noqa: BLE001 - a metric must not stop the drain
-                log.exception("preemption on_count hook failed", extra={"event": "preemption_count_failed"})
+                emit(log, "preemption_count_failed", "preemption on_count hook failed", level=logging.ERROR,
+                     exc_info=True)
         result = self._on_notice(source)
         if inspect.isawaitable(result):
             await result
@@ -207,8 +210,8 @@ class PreemptionWatcher:
 
         got_aws, got_gcp = await asyncio.gather(answers(aws), answers(gcp))
         source = "aws" if got_aws else "gcp" if got_gcp else "none"
-        log.info("preemption provider auto -> %s (aws answered: %s, gcp answered: %s)",
-                 source, got_aws, got_gcp, extra={"event": "preemption_probe", "source": source})
+        emit(log, "preemption_probe", "preemption provider auto -> {source} (aws answered: {aws}, gcp answered: "
+             "{gcp})", source=source, aws=got_aws, gcp=got_gcp)
         return source
 
     def _aws_once(self) -> dict[str, Any] | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+from node.logs import emit
+
 log = logging.getLogger("swarmnode.shm")
 
 MIN_SHM_BYTES = 1 << 30
@@ -34,4 +36,4 @@ def shm_warning(path: str = "/dev/shm") -> str:
 def warn_if_small() -> None:
     text = shm_warning()
     if text:
-        log.warning(text, extra={"event": "shm_too_small"})
+        emit(log, "shm_too_small", "{detail}", level=logging.WARNING, detail=text)

@@ -13,6 +13,7 @@ import logging
 from typing import Awaitable, Callable
 
 from node.compute import ComputeClosed
+from node.logs import emit
 from node.metrics import TASK_FAILURES
 
 log = logging.getLogger("swarmnode.supervisor")
@@ -41,13 +42,14 @@ class Supervisor:
             except asyncio.CancelledError:
                 raise
             except ComputeClosed as exc:  # the role drained under the task: it is done, not failed
-                log.info("task %s stopped: %s", name, exc, extra={"event": "task_stopped", "task": name})
+                emit(log, "task_stopped", "task {task} stopped: {detail}", task=name, detail=str(exc))
                 return
             except BaseException as exc:  # noqa: BLE001 - supervised: log, count, decide
                 failures += 1
                 TASK_FAILURES.labels(task=name).inc()
-                log.error("task %s failed (%d/%d): %r", name, failures, self.max_restarts, exc, exc_info=exc,
-                          extra={"event": "task_failed", "task": name, "failures": failures})
+                emit(log, "task_failed", "task {task} failed ({failures}/{max_restarts}): {error}",
+                     level=logging.ERROR, exc_info=exc, task=name, failures=failures,
+                     max_restarts=self.max_restarts, error=repr(exc))
                 if not restart or failures > self.max_restarts:
                     self.failed = name
                     if self._on_fatal:

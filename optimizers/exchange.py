@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from node.logs import emit
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
 from optimizers.exchange_common import METHOD, ExchangeResult
@@ -188,8 +189,8 @@ class OuterExchange:
         self.link.state = None
         res.blocked_s = time.perf_counter() - t0
         if res.outcome != C.OK:
-            log.info("outer exchange gave no mean: %s (%s); the role takes a solo step", res.outcome, res.reason,
-                     extra={"event": "exchange_solo", "outcome": res.outcome, "reason": res.reason})
+            emit(log, "exchange_solo", "outer exchange gave no mean: {outcome} ({reason}); the role takes a solo step",
+                 outcome=res.outcome, reason=res.reason)
         return res
 
     async def _roster(self, st: C.Round) -> dict[str, RosterEntry]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from node.averaging import LocalNonFinite, ordered_mean
+from node.logs import emit
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
 from protocol.channels import ChannelPool, remaining, task
@@ -174,8 +175,8 @@ class ExchangeLink:
             return
         until = (self.last_round or 0) + self.distrust_rounds
         self.distrusted[peer] = max(until, self.distrusted.get(peer, 0))
-        log.warning("partner %s charged (%s): not paired with until round %d", peer[:16], reason, until,
-                    extra={"event": "partner_charged", "peer": peer, "reason": reason, "until_round": until})
+        emit(log, "partner_charged", "partner {short} charged ({reason}): not paired with until round {until_round}",
+             level=logging.WARNING, short=peer[:16], peer=peer, reason=reason, until_round=until)
         if len(self.distrusted) > 4096:  # bounded: forget the oldest charges
             for p, _ in sorted(self.distrusted.items(), key=lambda kv: kv[1])[:1024]:
                 del self.distrusted[p]

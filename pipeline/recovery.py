@@ -41,6 +41,7 @@ from torch import nn
 from models.optim import InnerConfig, inner_lr_scheduler
 from node.card import card_int, read_cards
 from node.checkpoint import CheckpointError, Checkpointer
+from node.logs import emit
 from node.state_sync import StateFetchError, fetch_state, order_donors, split_optimizer
 from pipeline.checkfree import Recovery, RecoveryError, average_neighbours, choose_recovery, fresh_optimizer
 from pipeline.config import CheckFreeConfig
@@ -265,10 +266,10 @@ class StageRecovery:
                             has_checkpoint=self.has_checkpoint(stage))
         lost_adjacent = sorted(s for s in (stage - 1, stage + 1) if 0 < s < self.n_stages and s not in alive)
         if lost_adjacent and r.rule not in ("replica",):
-            log.error("stage %d and its neighbour(s) %s are lost together: %s", stage, lost_adjacent,
-                      "restoring the newest checkpoint" if r.rule == "checkpoint" else
-                      f"rule {r.rule} from stages {r.sources} (no averaging with missing weights)",
-                      extra={"event": "adjacent_failure", "stage": stage, "lost": lost_adjacent, "rule": r.rule})
+            emit(log, "adjacent_failure", "stage {stage} and its neighbour(s) {lost} are lost together: {action}",
+                 level=logging.ERROR, stage=stage, lost=lost_adjacent, rule=r.rule,
+                 action="restoring the newest checkpoint" if r.rule == "checkpoint" else
+                 f"rule {r.rule} from stages {r.sources} (no averaging with missing weights)")
         return r
 
     async def decide_and_rebuild(self, stage: int, status, max_decisions: int = 4) -> tuple[Recovery, Rebuilt | None]:
@@ -298,9 +299,8 @@ class StageRecovery:
                 await task
             except (asyncio.CancelledError, RecoveryError):
                 pass
-            log.warning("stage %d: source stage(s) %s of rule %s were lost during the rebuild; deciding again",
-                        stage, lost, r.rule, extra={"event": "recovery_redecide", "stage": stage, "lost": lost,
-                                                   "rule": r.rule})
+            emit(log, "recovery_redecide", "stage {stage}: source stage(s) {lost} of rule {rule} were lost during "
+                 "the rebuild; deciding again", level=logging.WARNING, stage=stage, lost=lost, rule=r.rule)
         raise RecoveryError(f"stage {stage}: its sources kept failing over {max_decisions} decisions; check the "
                             "coordinator's stage_down events and restart the run from a checkpoint")
 
@@ -382,7 +382,8 @@ class StageRecovery:
             raise RecoveryError(f"rule {r.rule!r} for stage {stage} is handled by the caller (checkpoint)")
         out.fetch_s = time.monotonic() - t0
         if r.warn:
-            log.warning("%s", r.warn, extra={"event": "recovery_warning", "stage": stage, "rule": r.rule})
+            emit(log, "recovery_warning", "{warning}", level=logging.WARNING, warning=r.warn, stage=stage,
+                 rule=r.rule)
         return out
 
     async def _embed_copy(self, stage: int, holder: int) -> Rebuilt:

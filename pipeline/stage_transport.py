@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from node.logs import emit
 from node.netem import LinkEmulator
 from pipeline import stage_metrics as M
 from pipeline.stage_msgs import Msg, Out, placeholder
@@ -168,8 +169,9 @@ class StageTransport:
                 self.retries += 1
                 M.SEND_RETRIES.inc()
                 if attempt == 1 or attempt % 10 == 0:
-                    log.warning("send %s to %s failed (attempt %d, retrying): %r", kind, dest[:16], attempt, exc,
-                                extra={"event": "pipeline_send_retry", "attempt": attempt})
+                    emit(log, "pipeline_send_retry", "send {kind} to {dest} failed (attempt {attempt}, retrying): "
+                         "{error}", level=logging.WARNING, kind=kind, dest=dest[:16], attempt=attempt,
+                         error=repr(exc))
                 if stream is not None:
                     stream.cancel()
                 stream = None
@@ -190,8 +192,8 @@ class StageTransport:
         try:
             async for r in stream:
                 if r.name == "err":
-                    log.warning("%s refused a message: %s", dest[:16], r.meta.get("detail", ""),
-                                extra={"event": "pipeline_error_reply", "reason": r.meta.get("reason", "")})
+                    emit(log, "pipeline_error_reply", "{dest} refused a message: {detail}", level=logging.WARNING,
+                         dest=dest[:16], detail=r.meta.get("detail", ""), reason=r.meta.get("reason", ""))
         except StreamError:
             pass
 

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from node.logs import emit
 from rl.grpo_config import GRPOConfig
 from rl.rollout import PromptGroup, RolloutBatch
 from security.judge import ArithJudge, CachedJudge, HFJudge
@@ -87,9 +88,8 @@ class Defense:
 
     def _banned(self, sender, reason: str) -> None:
         self.ban_rounds.setdefault(str(sender), self._round)
-        log.warning("banned %s from this peer's rollouts for %.0f s: %s", sender, self.dcfg.ban_ttl_s, reason,
-                    extra={"event": "grpo_sender_banned", "sender": str(sender), "reason": reason,
-                           "round": self._round})
+        emit(log, "grpo_sender_banned", "banned {sender} from this peer's rollouts for {ban_s:.0f} s: {reason}",
+             level=logging.WARNING, sender=str(sender), ban_s=self.dcfg.ban_ttl_s, reason=reason, round=self._round)
         self._on_ban_cb(str(sender), reason)
 
     def _reject(self, sender: str, reason: str, n: int = 1) -> None:
