@@ -14,6 +14,8 @@ import time
 from enum import StrEnum
 from typing import Awaitable, Callable
 
+from node.logs import emit
+
 log = logging.getLogger("swarmnode.lifecycle")
 
 
@@ -76,9 +78,8 @@ class Lifecycle:
                 self.since = time.time()
         if new is not old:
             level = logging.WARNING if (old is State.READY and new is State.JOINING) else logging.INFO
-            log.log(level, "state %s -> %s (%s)", old, new, reason,
-                    extra={"event": "state_changed", "from": str(old), "to": str(new), "reason": reason,
-                           "detail": detail, "state": str(new)})
+            emit(log, "state_changed", "state {from} -> {to} ({reason})", level=level,
+                 **{"from": str(old), "to": str(new), "reason": reason, "detail": detail, "state": str(new)})
         for notify in list(self._listeners):
             result = notify(new, reason, detail)
             if result is not None:

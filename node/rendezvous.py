@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from node.dht_records import read_entries_at, store_entry
+from node.logs import emit
 from security.records import Namespace
 
 __all__ = ["Rendezvous"]
@@ -86,16 +87,15 @@ class Rendezvous(Generic[E]):
         try:
             ok = await store_entry(dht, key, peer_id, entry, ttl_s, timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - the caller goes on (e.g. it can still propose)
-            log.warning("publishing %s entry for %s %d failed: %r; peers reading that %s cannot find this "
-                        "node. Check DHT connectivity (swarmnode_dht_requests_total{op=\"store\"}).",
-                        self.prefix, self.index_field, rnd, exc, self.index_field,
-                        extra={"event": "rendezvous_publish_failed", "namespace": self.prefix,
-                               self.index_field: rnd})
+            emit(log, "rendezvous_publish_failed", "publishing {namespace} entry for {kind} {index} failed: {error}; "
+                 "peers reading that {kind} cannot find this node. Check DHT connectivity "
+                 "(swarmnode_dht_requests_total{{op=\"store\"}}).", level=logging.WARNING, namespace=self.prefix,
+                 kind=self.index_field, index=rnd, error=repr(exc), **{self.index_field: rnd})
             return False
         if not ok:
-            log.debug("no DHT node accepted the %s entry for %s %d", self.prefix, self.index_field, rnd,
-                        extra={"event": "rendezvous_publish_failed", "namespace": self.prefix,
-                               self.index_field: rnd})
+            emit(log, "rendezvous_publish_failed", "no DHT node accepted the {namespace} entry for {kind} {index}",
+                 level=logging.DEBUG, namespace=self.prefix, kind=self.index_field, index=rnd,
+                 **{self.index_field: rnd})
         return ok
 
     async def read(self, dht: Any, run_id: str, round: int, timeout: float = 10.0) -> dict[str, E]:  # noqa: A002

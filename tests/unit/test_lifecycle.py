@@ -35,7 +35,8 @@ async def test_backward_edge_ready_to_joining_logs_warning(caplog):
         await lc.move(State.JOINING, "dht_no_peers", "routing table empty")
     rec = [r for r in caplog.records if getattr(r, "event", None) == "state_changed"]
     assert rec and rec[-1].levelno == logging.WARNING
-    assert rec[-1].reason == "dht_no_peers" and getattr(rec[-1], "from") == "ready" and rec[-1].to == "joining"
+    fields = rec[-1]._fields
+    assert fields["reason"] == "dht_no_peers" and fields["from"] == "ready" and fields["to"] == "joining"
 
 
 @pytest.mark.parametrize("path,bad", [
