@@ -2,7 +2,8 @@
 
 Owns `simulate`: given a `Cluster` and one node path per microbatch, it predicts the iteration
 makespan, per-node busy/idle time, queueing delay and deferrals, using the official semantics
-with a priority queue instead of the official 10,000-bucket sweep. It does not choose paths
+with a priority queue instead of the official 10,000-bucket sweep (pinned against the authors'
+published times by tests/unit/test_pipeline_official_schedule.py). It does not choose paths
 (pipeline/schedule.py) and knows nothing of the network or torch.
 
 Semantics, per microbatch with node path [o, n1, ..., n_{L-1}] (o = its stage-0 originator):
@@ -234,12 +235,14 @@ class PeriodResult:
     periods: list[float] = field(default_factory=list)
 
 
-def iteration_period(cluster: Cluster, paths, groups, *, iterations: int = 4) -> PeriodResult:
+def iteration_period(cluster: Cluster, paths, groups, *, iterations: int = 4,
+                     after: Sequence[int | None] | None = None) -> PeriodResult:
     """Chain `iterations` simulated iterations (module doc). `groups`: the nodes of each stage
     (the schedule's partitions; group 0 = the origins). Node x aggregates at agg[x] = max(its
     last compute, every origin's completion + that origin's EndOfIteration latency to x) and
     steps at max(agg[x], agg[y] + grad_s[y][x] for every replica y); the next iteration starts
-    at the earliest origin's step, and every node is ready at its own step."""
+    at the earliest origin's step, and every node is ready at its own step. `after`: as in
+    `simulate`."""
     if iterations < 2:
         raise ValueError(f"iterations={iterations}: need >= 2 to measure a period")
     groups = [tuple(g) for g in groups]
@@ -248,7 +251,7 @@ def iteration_period(cluster: Cluster, paths, groups, *, iterations: int = 4) ->
     ready: dict[int, float] = {}
     periods, busy, first = [], 0.0, None
     for _ in range(iterations):
-        r = simulate(cluster, paths, ready_at=ready)
+        r = simulate(cluster, paths, ready_at=ready, after=after)
         first = r if first is None else first
         done = {o: max((r.completion[m] for m, p in enumerate(paths) if p[0] == o), default=0.0) for o in origins}
         last = {x: max((end for _, end, *_ in r.intervals.get(x, ())), default=ready.get(x, 0.0)) for x in nodes}
