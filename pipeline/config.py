@@ -36,7 +36,17 @@ class ScheduleConfig(BaseModel):
 
     mb_per_origin: int = Field(3, ge=1)
     """Microbatches each stage-0 node starts per iteration. With the memory cap on, stage
-    nodes x memory must cover the visits: lower it if planning fails with R5."""
+    nodes x memory x mb_per_path must cover the visits: lower it (or raise mb_per_path) if
+    planning fails with R5. 3 is ours (with mb_per_path = 1); the paper runs 6 (with 2)."""
+
+    mb_per_path: int = Field(1, ge=1)
+    """Microbatches one scheduled path carries back to back (the next leaves its data node once
+    the previous one's backward is home); the memory cap counts paths. 1 [ours]: every
+    microbatch is its own path, so a node takes at most `memory` microbatches per iteration and
+    each one can take another route. 2 = the paper's scheduler (with mb_per_origin = 6 and
+    memory = 3: 6 microbatch visits per stage node, 3 at once). Raise it to run more
+    microbatches per iteration on the same replicas without deferrals. mb_per_origin must be a
+    multiple of it."""
 
     memory: int = Field(3, ge=1)
     """Microbatches a node keeps in flight (activations held for backward). Raise it on
@@ -52,9 +62,10 @@ class ScheduleConfig(BaseModel):
     """R3: total swap distance per path."""
 
     cap_visits_by_memory: bool = True
-    """R5: route at most `memory` microbatches through a stage node per iteration, so no
-    forward is ever deferred there (official scheduler). Turn off only with mb_per_origin
-    larger than the stage nodes' memory allows, accepting deferrals."""
+    """R5: route at most `memory` paths (`memory x mb_per_path` microbatches) through a stage
+    node per iteration, so no forward is ever deferred there (the paper's scheduler caps paths
+    the same way). Turn off only with mb_per_origin larger than the stage nodes' memory allows,
+    accepting deferrals."""
 
     time_budget_s: float = Field(30.0, gt=0)
     """Wall-clock budget of one planning run; the best schedule found so far is used. If the
@@ -108,12 +119,19 @@ class ScheduleConfig(BaseModel):
         return PathRules.from_skip_ratio(self.stages, self.skip_ratio, max_jump=self.max_jump,
                                          max_swaps=self.max_swaps,
                                          max_total_swap_distance=self.max_total_swap_distance,
-                                         cap_visits_by_memory=self.cap_visits_by_memory)
+                                         cap_visits_by_memory=self.cap_visits_by_memory,
+                                         mb_per_path=self.mb_per_path)
 
     @model_validator(mode="after")
     def _rules_valid(self) -> "ScheduleConfig":
         if self.checkfree_plus and self.stages < 5:
             raise ValueError(f"schedule.checkfree_plus needs stages >= 5 (4 transformer stages), got {self.stages}")
+        if self.mb_per_origin % self.mb_per_path:
+            raise ValueError(f"schedule.mb_per_origin={self.mb_per_origin} is not a multiple of "
+                             f"schedule.mb_per_path={self.mb_per_path}; change either")
+        if self.checkfree_plus and self.mb_per_path != 1:
+            raise ValueError("schedule.checkfree_plus swaps every odd microbatch, which splits "
+                             "paths carrying several; set schedule.mb_per_path = 1")
         try:
             self.rules()
         except ValueError as exc:

@@ -21,7 +21,8 @@ RULE_NAMES = {
     "R2": "exactly L distinct stages per path, no repeats",
     "R3": "swaps adjacent only, at most max_swaps per path, total swap distance bounded",
     "R4": "a hop goes at most max_jump stages past the frontier",
-    "R5": "equal visits on every stage s >= 1 and at most `memory` visits per node",
+    "R5": "equal visits on every stage s >= 1 and at most `memory` paths per node (a path "
+          "carries mb_per_path microbatches back to back)",
     "P5": "each hop is a node of the stage it claims; one successor per hop",
     "STRUCT": "schedule structure (partitions, microbatch table, rules)",
 }
@@ -44,9 +45,19 @@ class PathRules:
     max_total_swap_distance: int = 2
     """R3: most total swap distance per path."""
     cap_visits_by_memory: bool = True
-    """R5: a node (stage >= 1) is visited by at most `memory[node]` microbatches per iteration,
-    so a scheduled iteration never has to defer at a stage node (official scheduler). Turn off
-    for baselines such as the full pipeline, which then rely on deferral (TC1)."""
+    """R5: a node (stage >= 1) lies on at most `memory[node]` paths per iteration, so it never
+    holds more than `memory` microbatches at once and a scheduled iteration never has to defer
+    there. The paper's scheduler caps paths the same way, each path carrying `mb_per_path`
+    microbatches back to back. Turn off for baselines such as the full pipeline, which then
+    rely on deferral (TC1)."""
+    mb_per_path: int = 1
+    """Microbatches one path carries back to back: a path's next microbatch leaves its
+    originator only once the previous one's backward is home, so the path holds one memory slot
+    per node it visits and a node takes up to `memory x mb_per_path` microbatch visits. 1 is
+    ours (every microbatch its own path: the cap counts microbatches); 2 is the paper's
+    scheduler (gensyn-ai/skippipe create_schedule.py: 6 microbatches per data node on 3 paths,
+    memory 3). Microbatch seq j of an originator with q = microbatches / mb_per_path paths
+    rides its path j % q, after its seq j - q (pipeline/schedule.py)."""
 
     def __post_init__(self) -> None:
         if self.S < 2:
@@ -58,6 +69,9 @@ class PathRules:
                 raise ValueError(f"{name}={getattr(self, name)} is out of range")
         if self.max_swaps < 0:
             raise ValueError(f"max_swaps={self.max_swaps} must be >= 0")
+        if self.mb_per_path < 1:
+            raise ValueError(f"mb_per_path={self.mb_per_path} must be >= 1 (1: one microbatch "
+                             "per path, ours; 2: the paper's scheduler)")
 
     @classmethod
     def from_skip_ratio(cls, S: int, skip_ratio: float, **kw) -> "PathRules":

@@ -9,7 +9,11 @@ and the two baselines) is in pipeline/search.py; allocation in pipeline/allocati
 functions: no grpc, hivemind, node or torch code.
 
 Microbatch table: microbatch `seq` of originator `o` follows the `seq`-th path whose first node
-is `o` (so `path_id(o, seq)`); every originator has the same number of microbatches.
+is `o` (so `path_id(o, seq)`); every originator has the same number of microbatches. With
+`rules.mb_per_path = m > 1` (the paper's scheduler; ours is 1) an originator's microbatches ride
+q = mb_per_origin / m paths, m each, back to back: seq j rides path j % q and is injected once
+seq j - q is home (`after`), so seqs j and j - q have the same route. The memory cap (R5)
+counts paths: at most `memory` per node, i.e. `memory x m` microbatch visits.
 """
 
 from __future__ import annotations
@@ -87,6 +91,25 @@ class Schedule:
         """(originator, seq, path_id) for every microbatch of the iteration."""
         return [(o, seq, pid) for o in self.origins for seq, pid in enumerate(self.path_ids(o))]
 
+    @property
+    def paths_per_origin(self) -> int:
+        """Paths each originator's microbatches ride (mb_per_origin / rules.mb_per_path)."""
+        return self.mb_per_origin // self.rules.mb_per_path
+
+    def previous_on_path(self, origin: int, seq: int) -> int | None:
+        """Path ID of the microbatch that must be home before `origin`'s microbatch `seq`
+        leaves (seq - paths_per_origin: its path's previous one), or None."""
+        q = self.paths_per_origin
+        return self.path_id(origin, seq - q) if seq >= q else None
+
+    def after(self) -> list[int | None]:
+        """Per path ID: the path ID of the microbatch that must be home before this one leaves
+        its originator (the same path's previous microbatch), or None (module doc)."""
+        out: list[int | None] = [None] * len(self.paths)
+        for o, seq, pid in self.microbatches():
+            out[pid] = self.previous_on_path(o, seq)
+        return out
+
     def successor(self, path_id: int, hop: int) -> int:
         """Node that receives the forward after `hop` (the originator after the last hop)."""
         path = self.paths[path_id]
@@ -142,6 +165,16 @@ class Schedule:
             raise ScheduleViolation("STRUCT", f"malformed schedule JSON: {exc!r}") from exc
 
 
+def chain_routes(routes, mb_per_path: int) -> tuple[list[tuple[int, ...]], list[int | None]]:
+    """(one node path per microbatch, `after`) for `routes` that each carry `mb_per_path`
+    microbatches back to back: the routes repeated `mb_per_path` times, so with every
+    originator's routes listed in order the microbatch table of the module doc holds and
+    microbatch i waits for i - len(routes). `Schedule.after()` gives the same for the result."""
+    routes = [tuple(r) for r in routes]
+    n = len(routes)
+    return routes * mb_per_path, [None] * n + list(range(n * (mb_per_path - 1)))
+
+
 def stage_quota(n_microbatches: int, rules: PathRules) -> int:
     """Visits every stage s >= 1 gets under exact balance (R5); raises if none is possible."""
     total = n_microbatches * (rules.L - 1)
@@ -184,6 +217,7 @@ def validate_schedule(schedule: Schedule, cluster: Cluster | None = None) -> Sch
     if len(set(per_origin.values())) != 1:
         raise ScheduleViolation("STRUCT", f"originators have unequal microbatch counts "
                                           f"{per_origin}; give each the same mb_per_origin")
+    _check_paths(schedule)
     quota = stage_quota(len(schedule.paths), rules)
     visits = schedule.stage_visits()
     for s in range(1, rules.S):
@@ -191,11 +225,33 @@ def validate_schedule(schedule: Schedule, cluster: Cluster | None = None) -> Sch
             raise ScheduleViolation("R5", f"stage {s} gets {visits.get(s, 0)} visits, expected "
                                           f"{quota} on every stage >= 1 ({dict(visits)})")
     if cluster is not None and rules.cap_visits_by_memory:
+        m = rules.mb_per_path
         for x, v in schedule.node_visits().items():
-            if v > cluster.memory[x]:
-                raise ScheduleViolation("R5", f"node {x} (stage {stage_of[x]}) is visited {v} "
-                                              f"times > its memory {cluster.memory[x]}")
+            if v > cluster.memory[x] * m:
+                raise ScheduleViolation(
+                    "R5", f"node {x} (stage {stage_of[x]}) is on {v / m:g} paths ({v} microbatch "
+                          f"visits, {m} per path) > its memory {cluster.memory[x]}; give that "
+                          "stage more replicas, raise its memory, lower mb_per_origin or carry "
+                          "more microbatches per path (mb_per_path; the paper's scheduler: 2)")
     return schedule
+
+
+def _check_paths(schedule: Schedule) -> None:
+    """With several microbatches per path: whole paths per originator, one route per path."""
+    m = schedule.rules.mb_per_path
+    if m == 1:
+        return
+    n = schedule.mb_per_origin
+    if n % m:
+        raise ScheduleViolation("STRUCT", f"{n} microbatches per originator do not fill paths of "
+                                          f"mb_per_path={m}; make mb_per_origin a multiple of it")
+    after = schedule.after()
+    for pid, prev in enumerate(after):
+        if prev is not None and schedule.paths[pid] != schedule.paths[prev]:
+            raise ScheduleViolation(
+                "R5", f"path {pid} {list(schedule.paths[pid])} should repeat the route of path "
+                      f"{prev} {list(schedule.paths[prev])}: with mb_per_path={m} an originator's "
+                      f"microbatch seq j rides the same path as seq j - {schedule.paths_per_origin}")
 
 
 def checkfree_plus_paths(schedule: Schedule) -> Schedule:
@@ -207,6 +263,10 @@ def checkfree_plus_paths(schedule: Schedule) -> Schedule:
     in-order "full" builder plans with none); a swap that would still break R3/R4 (the path already
     swaps) is left out. Needs T = S - 1 >= 4 transformer stages."""
     t = schedule.rules.S - 1
+    if schedule.rules.mb_per_path != 1:
+        raise ScheduleViolation("CF+", f"CheckFree+ swaps every odd microbatch, which would split "
+                                       f"paths carrying mb_per_path={schedule.rules.mb_per_path} "
+                                       "microbatches; use mb_per_path = 1 with checkfree_plus")
     if t < 4:
         raise ScheduleViolation("CF+", f"CheckFree+ needs at least 4 transformer stages, the schedule has {t}")
     stage_of = {x: s for s, g in enumerate(schedule.partitions) for x in g}

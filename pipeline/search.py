@@ -16,6 +16,11 @@ capacity, swap replicas or whole routes between two microbatches, exchange one s
 microbatches) keeps the per-stage visit counts and the per-node caps, so balance and the memory
 cap (R5) survive by construction; R1-R4 are re-checked per move. Deterministic per seed when
 the search stops on `max_iters` or `patience` rather than on the time budget.
+
+The search plans routes: one per microbatch with `rules.mb_per_path = 1` (ours), else one per
+path carrying `mb_per_path` microbatches back to back (the paper's scheduler: 2), each scored
+with those microbatches chained (pipeline/schedule.py `chain_routes`); the node caps count
+routes either way.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 from pipeline.allocation import Partition, allocate
 from pipeline.cluster import Cluster
 from pipeline.paths import PathRules, enumerate_paths, orderings, stage_violation
-from pipeline.schedule import Schedule, ScheduleViolation, stage_quota, validate_schedule
+from pipeline.schedule import Schedule, ScheduleViolation, chain_routes, stage_quota, validate_schedule
 from pipeline.simulator import SimulationDeadlock, iteration_period, simulate
 
 LOAD_WEIGHT = 1.0
@@ -38,14 +43,18 @@ SYNC_ITERATIONS = 3
 """Iterations chained per objective when the cost model has between-iteration costs."""
 
 
-def _objective(cluster: Cluster, paths: list, collision_aware: bool, partition: Partition) -> tuple[float, float]:
+def _objective(cluster: Cluster, routes: list, collision_aware: bool, partition: Partition,
+               mb_per_path: int = 1) -> tuple[float, float]:
     """What the search minimises: the simulated makespan, or with between-iteration costs in the
     cost model (replica gradient exchange, EndOfIteration) the steady-state iteration period;
-    the mean microbatch completion breaks ties."""
+    the mean microbatch completion breaks ties. Each route carries `mb_per_path` microbatches
+    back to back."""
+    paths, after = chain_routes(routes, mb_per_path)
     try:
-        r = simulate(cluster, paths, exclusive=collision_aware)
+        r = simulate(cluster, paths, exclusive=collision_aware, after=after)
         if cluster.has_sync and collision_aware:
-            period = iteration_period(cluster, paths, partition, iterations=SYNC_ITERATIONS).period
+            period = iteration_period(cluster, paths, partition, iterations=SYNC_ITERATIONS,
+                                      after=after).period
             return period, r.mean_completion
     except SimulationDeadlock:
         return math.inf, math.inf
@@ -64,26 +73,38 @@ def _caps(cluster: Cluster, partition: Partition, rules: PathRules, quota: int) 
         if sum(caps[x] for x in g) < quota:
             raise ScheduleViolation(
                 "R5", f"stage {s} has {len(g)} nodes with memory {[cluster.memory[x] for x in g]}"
-                      f" but must take {quota} visits; add replicas, raise memory, or lower "
-                      "mb_per_origin")
+                      f" but must take {quota} paths; add replicas, raise memory, lower "
+                      "mb_per_origin, or carry more microbatches per path (mb_per_path; the "
+                      "paper's scheduler: 2)")
     return caps
 
 
+def _routes_per_origin(rules: PathRules, mb_per_origin: int) -> int:
+    """Paths (routes) each originator's microbatches ride: mb_per_origin / rules.mb_per_path."""
+    if mb_per_origin < 1:
+        raise ScheduleViolation("STRUCT", f"mb_per_origin={mb_per_origin} must be >= 1")
+    if mb_per_origin % rules.mb_per_path:
+        raise ScheduleViolation("STRUCT", f"mb_per_origin={mb_per_origin} is not a multiple of "
+                                          f"mb_per_path={rules.mb_per_path}; change either")
+    return mb_per_origin // rules.mb_per_path
+
+
 def _check_inputs(cluster: Cluster, partition: Partition, rules: PathRules, mb_per_origin: int):
+    """(routes to plan, visits per stage in routes, per-node caps in routes). The search plans
+    routes; `chain_routes` turns them into one path per microbatch."""
     if len(partition) != rules.S:
         raise ScheduleViolation("STRUCT", f"partition has {len(partition)} stages, rules.S="
                                           f"{rules.S}")
-    if mb_per_origin < 1:
-        raise ScheduleViolation("STRUCT", f"mb_per_origin={mb_per_origin} must be >= 1")
-    n_mb = len(partition[0]) * mb_per_origin
-    quota = stage_quota(n_mb, rules)
-    return n_mb, quota, _caps(cluster, partition, rules, quota)
+    n_routes = len(partition[0]) * _routes_per_origin(rules, mb_per_origin)
+    quota = stage_quota(n_routes, rules)
+    return n_routes, quota, _caps(cluster, partition, rules, quota)
 
 
 def _balanced_paths(cluster: Cluster, partition: Partition, rules: PathRules, mb_per_origin: int,
                     rng: random.Random | None, simulate_greedy: bool = True
                     ) -> list[tuple[int, ...]]:
-    """One legal node path per microbatch with exact stage balance and node caps. With `rng`
+    """One legal route per path (per microbatch when rules.mb_per_path = 1) with exact stage
+    balance and node caps, each originator's routes interleaved. With `rng`
     choices are uniform among feasible ones (random baseline); without, greedy: each
     microbatch takes the candidate (stage order, replicas picked by link + load) that gives
     the smallest simulated makespan of the paths chosen so far (`simulate_greedy`), or the
@@ -95,7 +116,7 @@ def _balanced_paths(cluster: Cluster, partition: Partition, rules: PathRules, mb
     load = {x: 0 for x in cap_left}
     sets = sorted({frozenset(p[1:]) for p in enumerate_paths(rules)}, key=sorted)
     out = []
-    for i, origin in enumerate(_mb_order(partition[0], mb_per_origin)):
+    for i, origin in enumerate(_mb_order(partition[0], _routes_per_origin(rules, mb_per_origin))):
         remaining = n_mb - i - 1
         feasible = [t for t in sets if all(left[s] >= 1 for s in t)
                     and all(left[s] - (s in t) <= remaining for s in left)]
@@ -122,7 +143,8 @@ def _balanced_paths(cluster: Cluster, partition: Partition, rules: PathRules, mb
                     prev = x
                 cost += 2 * cluster.send_s(prev, origin)
                 if by_sim:
-                    cost = _objective(cluster, out + [tuple(nodes)], True, partition)
+                    cost = _objective(cluster, out + [tuple(nodes)], True, partition,
+                                      rules.mb_per_path)
                 if cost < best_cost:
                     best, best_cost = tuple(nodes), cost
         for x in best[1:]:
@@ -133,10 +155,11 @@ def _balanced_paths(cluster: Cluster, partition: Partition, rules: PathRules, mb
     return out
 
 
-def _finish(cluster: Cluster, partition: Partition, paths, rules, method: str,
+def _finish(cluster: Cluster, partition: Partition, routes, rules, method: str,
             epoch: int) -> Schedule:
+    paths, after = chain_routes(routes, rules.mb_per_path)
     sched = Schedule(partitions=partition, paths=tuple(paths), rules=rules, epoch=epoch,
-                     expected_makespan=simulate(cluster, paths).makespan,
+                     expected_makespan=simulate(cluster, paths, after=after).makespan,
                      cost_hash=cluster.cost_hash(), method=method, names=cluster.names)
     return validate_schedule(sched, cluster)
 
@@ -218,7 +241,7 @@ def _moves(rng: random.Random, paths: list[tuple[int, ...]], partition: Partitio
 
 def _local_search(cluster, paths, partition, rules, caps, stage_of, rng, collision_aware,
                   max_iters, patience, deadline):
-    best = _objective(cluster, paths, collision_aware, partition)
+    best = _objective(cluster, paths, collision_aware, partition, rules.mb_per_path)
     since = 0
     for _ in range(max_iters):
         if since >= patience or time.monotonic() > deadline:
@@ -227,7 +250,7 @@ def _local_search(cluster, paths, partition, rules, caps, stage_of, rng, collisi
         cand = _moves(rng, paths, partition, rules, caps, stage_of)
         if cand is None:
             continue
-        obj = _objective(cluster, cand, collision_aware, partition)
+        obj = _objective(cluster, cand, collision_aware, partition, rules.mb_per_path)
         if obj < best:
             paths, best, since = cand, obj, 0
     return paths, best

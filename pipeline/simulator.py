@@ -2,7 +2,8 @@
 
 Owns `simulate`: given a `Cluster` and one node path per microbatch, it predicts the iteration
 makespan, per-node busy/idle time, queueing delay and deferrals, using the official semantics
-with a priority queue instead of the official 10,000-bucket sweep. It does not choose paths
+with a priority queue instead of the official 10,000-bucket sweep (pinned against the authors'
+published times by tests/unit/test_pipeline_official_schedule.py). It does not choose paths
 (pipeline/schedule.py) and knows nothing of the network or torch.
 
 Semantics, per microbatch with node path [o, n1, ..., n_{L-1}] (o = its stage-0 originator):
@@ -13,10 +14,15 @@ messages for their transfer time and overlaps their latencies (as node/netem.py 
 ready work in (ready time, arrival) order; a forward needs a free slot of the node's memory
 window (a slot is held from that hop's forward start to its backward end) and is deferred until
 one frees (TC1; backwards and the loss never wait for a slot). After each compute the node
-stays busy for `gap_local` (next hop on the same node) or `gap_network` seconds. Makespan = the
-latest backward completion at any originator. All microbatches of an origin are ready at t = 0,
-in their order in `paths`; `ready_at[x]` delays node x's first compute (and an origin's
-microbatches) to that time.
+stays busy for `gap_local` (next hop on the same node) or `gap_network` seconds, or, with
+`gap_inject`, that long after an originator's first forward of a microbatch whatever comes next
+(the authors' runtime: 0.09 s after an injection, 0.13 s after anything else; see
+pipeline/official_schedule.py). Makespan = the latest backward completion at any originator.
+All microbatches of an origin are ready at t = 0, in their order in `paths`; `ready_at[x]`
+delays node x's first compute (and an origin's microbatches) to that time; `release[m]` delays
+microbatch m's injection to that time; `after[m] = a` holds it until microbatch a's last
+backward is home (a path carrying several microbatches back to back, as the official scheduler
+plans them: pipeline/schedule.py, `PathRules.mb_per_path`).
 
 `iteration_period` [ours: the paper's simulator stops at the makespan] chains iterations: each
 node takes the next iteration's work only after it aggregated (its last compute and every
@@ -27,6 +33,7 @@ is the time between successive iteration starts, what a swarm measures step to s
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.cluster import Cluster
@@ -63,11 +70,16 @@ class SimResult:
 
 
 def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], *,
-             gap_local: float = 0.0, gap_network: float = 0.0,
-             exclusive: bool = True, ready_at: dict[int, float] | None = None) -> SimResult:
+             gap_local: float = 0.0, gap_network: float = 0.0, gap_inject: float | None = None,
+             exclusive: bool = True, ready_at: dict[int, float] | None = None,
+             release: Sequence[float] | None = None,
+             after: Sequence[int | None] | None = None) -> SimResult:
     """Simulate one iteration. `exclusive=False` lets a node overlap computes (no collision
     model: the "non-ca" estimate); every real prediction uses the default True. `ready_at`:
-    a node computes nothing before its time (missing nodes: 0)."""
+    a node computes nothing before its time (missing nodes: 0). `gap_inject`: the gap after an
+    originator's first forward (None: the local/network rule). `release` (seconds per
+    microbatch) and `after` (per microbatch: the index of an earlier microbatch of the same
+    originator that must be home first, or None) shape when each microbatch is injected."""
     paths = [tuple(p) for p in paths]
     for m, p in enumerate(paths):
         if len(p) < 2:
@@ -75,6 +87,19 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
         if any(not 0 <= x < cluster.n for x in p):
             raise ValueError(f"microbatch {m}: path {list(p)} names a node outside "
                              f"[0, {cluster.n})")
+    release = [0.0] * len(paths) if release is None else [float(t) for t in release]
+    after = [None] * len(paths) if after is None else list(after)
+    if len(release) != len(paths) or len(after) != len(paths):
+        raise ValueError(f"release ({len(release)}) and after ({len(after)}) need one entry per "
+                         f"microbatch ({len(paths)})")
+    for m, a in enumerate(after):
+        if a is not None and not (0 <= a < len(paths) and a != m and paths[a][0] == paths[m][0]):
+            raise ValueError(f"microbatch {m}: after={a} must name another microbatch of the "
+                             f"same originator {paths[m][0]}")
+    followers: dict[int, list[int]] = {}
+    for m, a in enumerate(after):
+        if a is not None:
+            followers.setdefault(a, []).append(m)
     nodes = sorted({x for p in paths for x in p})
     ready: dict[int, list[tuple[float, int, tuple]]] = {x: [] for x in nodes}
     running = {x: 0 for x in nodes}
@@ -150,7 +175,8 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
             running[x] += 1
             push(ready_at[x], "free", x)
     for m, p in enumerate(paths):
-        push(ready_at.get(p[0], 0.0), "arrive", p[0], (m, 0, FWD))
+        if after[m] is None:
+            push(max(ready_at.get(p[0], 0.0), release[m]), "arrive", p[0], (m, 0, FWD))
     done = 0
     while events:
         t, _, kind, x, task = heapq.heappop(events)
@@ -168,11 +194,15 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
             if nxt is None:
                 completion[task[0]] = t
                 done += 1
+                for m in followers.get(task[0], ()):         # the path's next microbatch
+                    push(max(t, release[m]), "arrive", x, (m, 0, FWD))
                 gap = gap_local
             else:
                 y, ntask = nxt
                 push(arrival(x, y, t), "arrive", y, ntask)
                 gap = gap_local if y == x else gap_network
+            if gap_inject is not None and task[2] == FWD and task[1] == 0:
+                gap = gap_inject
             if gap > 0:
                 push(t + gap, "free", x)
             else:
@@ -184,7 +214,7 @@ def simulate(cluster: Cluster, paths: list[tuple[int, ...]] | tuple[tuple[int, .
             f"{len(paths) - done} of {len(paths)} microbatches never finished: forwards wait for "
             f"memory slots held by microbatches that cannot progress (waiting per node: "
             f"{ {x: len(v) for x, v in stuck.items()} }). Raise memory, or keep crossed swapped "
-            "paths within the memory cap (PathRules.cap_visits_by_memory)")
+            "paths within the memory cap (PathRules.cap_visits_by_memory), or make `after` acyclic")
     makespan = max(completion) if completion else 0.0
     idle = {x: max(0.0, makespan - busy[x] - ready_at.get(x, 0.0)) for x in nodes}
     frac = sum(idle.values()) / (len(nodes) * makespan) if makespan > 0 else 0.0
@@ -205,12 +235,14 @@ class PeriodResult:
     periods: list[float] = field(default_factory=list)
 
 
-def iteration_period(cluster: Cluster, paths, groups, *, iterations: int = 4) -> PeriodResult:
+def iteration_period(cluster: Cluster, paths, groups, *, iterations: int = 4,
+                     after: Sequence[int | None] | None = None) -> PeriodResult:
     """Chain `iterations` simulated iterations (module doc). `groups`: the nodes of each stage
     (the schedule's partitions; group 0 = the origins). Node x aggregates at agg[x] = max(its
     last compute, every origin's completion + that origin's EndOfIteration latency to x) and
     steps at max(agg[x], agg[y] + grad_s[y][x] for every replica y); the next iteration starts
-    at the earliest origin's step, and every node is ready at its own step."""
+    at the earliest origin's step, and every node is ready at its own step. `after`: as in
+    `simulate`."""
     if iterations < 2:
         raise ValueError(f"iterations={iterations}: need >= 2 to measure a period")
     groups = [tuple(g) for g in groups]
@@ -219,7 +251,7 @@ def iteration_period(cluster: Cluster, paths, groups, *, iterations: int = 4) ->
     ready: dict[int, float] = {}
     periods, busy, first = [], 0.0, None
     for _ in range(iterations):
-        r = simulate(cluster, paths, ready_at=ready)
+        r = simulate(cluster, paths, ready_at=ready, after=after)
         first = r if first is None else first
         done = {o: max((r.completion[m] for m, p in enumerate(paths) if p[0] == o), default=0.0) for o in origins}
         last = {x: max((end for _, end, *_ in r.intervals.get(x, ())), default=ready.get(x, 0.0)) for x in nodes}

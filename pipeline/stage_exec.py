@@ -236,7 +236,7 @@ class StageExecutor:
         ids = sched.path_ids(me)
         st.seqs, st.n_mine = deque(range(len(ids))), len(ids)
         outs: list[Out] = []
-        while st.seqs and len(st.inflight) < self.memory:
+        while st.seqs and len(st.inflight) < self.memory and self._path_free(st, sched, me):
             outs = self._flush(outs) + self._launch(st, sched, me)
         return outs + self._maybe_aggregate(st)
 
@@ -253,6 +253,11 @@ class StageExecutor:
         origin = sched.paths[p][0]
         return {"ep": st.epoch, "p": p, "h": h, "o": origin, "q": sched.path_ids(origin).index(p),
                 "pe": self.prev_epoch}
+
+    @staticmethod
+    def _path_free(st: _Iter, sched: Schedule, me: int) -> bool:
+        """The next microbatch may leave: its path's previous microbatch (if any) is home."""
+        return sched.previous_on_path(me, st.seqs[0]) in (None, *st.finished)
 
     def _launch(self, st: _Iter, sched: Schedule, me: int) -> list[Out]:
         seq = st.seqs.popleft()
@@ -448,7 +453,7 @@ class StageExecutor:
                 outs = self._flush(outs) + self._compute_forward(st, sched, d, dp, dh, self._idx(sched, d.sender))
             return outs
         st.done += 1                             # origin: one of my microbatches is complete
-        while st.seqs and len(st.inflight) < self.memory:
+        while st.seqs and len(st.inflight) < self.memory and self._path_free(st, sched, me):
             outs = self._flush(outs) + self._launch(st, sched, me)
         if st.done == st.n_mine:
             st.eoi.add(me)

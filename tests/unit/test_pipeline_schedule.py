@@ -107,3 +107,54 @@ def test_geo_script_prints_the_three_schedules(capsys):
     assert out["L"] == 3 and out["nodes"] == 9
     assert out["skippipe"]["makespan_s"] <= out["random"]["makespan_s"]
     assert {"full", "random", "skippipe", "ratio_skippipe_vs_full"} <= set(out)
+
+
+# --------------------------------------------------------------- paths carrying several microbatches
+
+def test_the_papers_cap_counts_paths_and_ours_counts_microbatches():
+    """The same 6 microbatches per data node on 9 nodes: refused with one microbatch per path
+    (ours: 12 visits per stage > 2 replicas x memory 3), legal as 3 paths of 2 (the paper's)."""
+    cluster = geo_cluster(9, seed=0)
+    part = ((0, 4, 8), (1, 5), (2, 6), (3, 7))
+    with pytest.raises(ScheduleViolation, match=r"R5 .*mb_per_path"):
+        skippipe_schedule(cluster, part, PathRules(S=4, L=3), 6)
+    rules = PathRules(S=4, L=3, mb_per_path=2)
+    sched = skippipe_schedule(cluster, part, rules, 6, max_iters=200, time_budget_s=20)
+    assert len(sched.paths) == 18 and sched.mb_per_origin == 6 and sched.paths_per_origin == 3
+    assert max(sched.node_visits().values()) == 6 and set(sched.node_visits().values()) == {6}
+    after = sched.after()
+    assert sum(a is not None for a in after) == 9
+    assert all(sched.paths[pid] == sched.paths[prev] for pid, prev in enumerate(after) if prev is not None)
+    res = simulate(cluster, sched.paths, after=after)
+    assert sched.expected_makespan == pytest.approx(res.makespan)
+    assert res.deferred == 0 and max(res.max_in_flight.values()) <= 3
+    assert random_schedule(cluster, part, rules, 6, seed=1).node_visits() == sched.node_visits()
+
+
+def test_paths_of_several_microbatches_are_refused_when_split_or_unfilled():
+    cluster = geo_cluster(9, seed=0)
+    part = ((0, 4, 8), (1, 5), (2, 6), (3, 7))
+    rules = PathRules(S=4, L=3, mb_per_path=2)
+    sched = random_schedule(cluster, part, rules, 4, seed=0)       # two paths of 2 per data node
+    o = next(o for o in part[0] if len({sched.paths[i] for i in sched.path_ids(o)}) == 2)
+    ids, paths = sched.path_ids(o), list(sched.paths)
+    paths[ids[2]], paths[ids[3]] = paths[ids[3]], paths[ids[2]]    # seq 2 takes seq 1's route
+    with pytest.raises(ScheduleViolation, match=r"R5 .*same path as seq j - 2"):
+        validate_schedule(Schedule(partitions=part, paths=tuple(paths), rules=rules), cluster)
+    with pytest.raises(ScheduleViolation, match=r"STRUCT .*multiple of it"):
+        validate_schedule(Schedule(partitions=part, paths=sched.paths[:3], rules=rules), cluster)
+    with pytest.raises(ScheduleViolation, match="STRUCT .*mb_per_path=2"):
+        random_schedule(cluster, part, rules, 3)
+    with pytest.raises(ValueError, match="mb_per_path=0"):
+        PathRules(mb_per_path=0)
+
+
+def test_schedule_config_takes_the_papers_setting():
+    from pipeline.config import ScheduleConfig
+    assert ScheduleConfig().mb_per_path == 1 and ScheduleConfig().mb_per_origin == 3     # ours
+    paper = ScheduleConfig(mb_per_origin=6, mb_per_path=2, memory=3)
+    assert paper.rules().mb_per_path == 2 and paper.rules().L == 4
+    with pytest.raises(ValueError, match="multiple of"):
+        ScheduleConfig(mb_per_origin=5, mb_per_path=2)
+    with pytest.raises(ValueError, match="mb_per_path = 1"):
+        ScheduleConfig(mb_per_origin=6, mb_per_path=2, checkfree_plus=True)

@@ -184,3 +184,38 @@ def test_links_serialise_messages_but_overlap_latency():
         Cluster(compute=(1.0, 1.0), comm=[[0, 0.1], [0.1, 0]], memory=1, latency=[[0, 0.2], [0.2, 0]])
     with pytest.raises(ClusterError, match="grad_s"):
         Cluster(compute=(1.0, 1.0), comm=[[0, 0.1], [0.1, 0]], memory=1, grad_s=[[0.0, -1.0], [0.0, 0.0]])
+
+
+def _two_nodes():
+    return Cluster(compute=(1.0, 1.0), comm=[[0.0, 0.5], [0.5, 0.0]], memory=3)
+
+
+def test_after_injects_a_paths_next_microbatch_once_the_previous_is_home():
+    """One microbatch on 0 -> 1: F 1 + .5 + F 1 + .5 + loss .25 + .5 + B 1.5 + .5 + B 1.5 = 7.25 s;
+    chained, the second starts when the first is home: 14.5 s."""
+    cluster = _two_nodes()
+    assert simulate(cluster, [(0, 1)]).makespan == pytest.approx(7.25)
+    res = simulate(cluster, [(0, 1), (0, 1)], after=[None, 0])
+    assert res.completion == pytest.approx([7.25, 14.5])
+    assert res.max_in_flight == {0: 1, 1: 1}
+
+
+def test_release_delays_an_injection():
+    res = simulate(_two_nodes(), [(0, 1), (0, 1)], release=[0.0, 10.0])
+    assert res.completion == pytest.approx([7.25, 17.25])
+
+
+def test_gap_inject_applies_after_an_originators_first_forward_only():
+    res = simulate(_two_nodes(), [(0, 1), (0, 1)], gap_inject=0.2)
+    starts = [(s, kind, m) for s, _, kind, m, hop in res.intervals[0] if kind == "F"]
+    assert starts == [(0.0, "F", 0), (pytest.approx(1.2), "F", 1)]
+    plain = simulate(_two_nodes(), [(0, 1), (0, 1)], gap_local=0.2, gap_network=0.0)
+    assert [s for s, _, kind, *_ in plain.intervals[0] if kind == "F"] == [0.0, 1.0]
+
+
+def test_after_must_name_another_microbatch_of_the_same_origin():
+    cluster = Cluster(compute=(1.0,) * 3, comm=[[0.0, 0.5, 0.5]] * 3, memory=3)
+    with pytest.raises(ValueError, match="same originator"):
+        simulate(cluster, [(0, 1), (2, 1)], after=[None, 0])
+    with pytest.raises(ValueError, match="one entry per microbatch"):
+        simulate(cluster, [(0, 1)], release=[0.0, 1.0])

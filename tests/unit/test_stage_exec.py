@@ -20,7 +20,7 @@ from models.llama import build_model, lm_loss
 from models.stages import StageSet, build_stage, run_order
 from pipeline.cluster import Cluster
 from pipeline.paths import PathRules
-from pipeline.schedule import Schedule, ScheduleViolation, validate_schedule
+from pipeline.schedule import Schedule, ScheduleViolation, chain_routes, validate_schedule
 from pipeline.search import full_pipeline_schedule, plan
 from pipeline.stage_exec import BadInput, EvalResult, Msg, OriginDone, StageExecutor, StepResult, weights_sha256
 
@@ -297,6 +297,31 @@ def test_crossed_swapped_paths_do_not_deadlock_and_grads_return_to_the_predecess
     assert len(bwd) == len(paths) * sched.rules.L
     for src, dst, m in bwd:  # the gradient for hop h+1's input goes from hop h+1's node to hop h's
         assert fwd[(m["p"], m["h"] + 1)] == (dst, src)
+    model, _ = _reference(sched, 1)
+    for ex in nodes.values():
+        _assert_weights(ex, model)
+
+
+def test_paths_carrying_two_microbatches_run_back_to_back_without_deferrals():
+    """The paper's cap (mb_per_path = 2): 6 visits on peer07 with memory 3 is legal because each
+    path's second microbatch leaves only once its first is home, so no node ever holds more than
+    its 3 paths' worth and nothing is deferred; the result matches the reference."""
+    routes = [(0, 2, 4), (1, 4, 2), (0, 5, 7), (1, 7, 5), (0, 3, 6), (1, 3, 7)]
+    paths, after = chain_routes(routes, 2)
+    rules = PathRules(S=S, L=3, max_jump=4, max_swaps=2, max_total_swap_distance=2, mb_per_path=2)
+    sched = validate_schedule(Schedule(partitions=PARTS, paths=tuple(paths), rules=rules, epoch=1,
+                                       names=NAMES), _cluster(8))
+    assert sched.node_visits()[7] == 6 and sched.after() == after
+    for seed in range(3):
+        nodes = _nodes(sched)
+        log = []
+        _run_iteration(nodes, sched, random.Random(seed), log)
+        assert all(ex.iteration == 1 for ex in nodes.values())
+        assert sum(ex.deferred_total for ex in nodes.values()) == 0
+        sent = {m["p"]: i for i, (_, _, k, m) in enumerate(log) if k == "fwd" and m["h"] == 1}
+        home = {m["p"]: i for i, (_, _, k, m) in enumerate(log) if k == "bwd" and m["h"] == 0}
+        assert len(sent) == len(home) == 12
+        assert all(sent[pid] > home[prev] for pid, prev in enumerate(after) if prev is not None)
     model, _ = _reference(sched, 1)
     for ex in nodes.values():
         _assert_weights(ex, model)
