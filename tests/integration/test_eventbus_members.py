@@ -58,22 +58,25 @@ def test_only_members_allowed_on_a_topic_get_through_and_strangers_are_banned(tm
             await set_members(buses, {grpo.peer_id: "grpo", boot.peer_id: "bootstrap"})
             assert await wait_mesh(buses, "rollouts", 1, timeout=60), "no mesh"
             sinks = {b.peer_id: asyncio.Queue() for b in (grpo, boot)}
+            seen: dict[str, list] = {b.peer_id: [] for b in (grpo, boot)}
             readers = [asyncio.ensure_future(_collect(b, sinks[b.peer_id])) for b in (grpo, boot)]
             await asyncio.sleep(1.0)
+
+            def arrived(at, pred):
+                async def check():
+                    while not sinks[at.peer_id].empty():
+                        seen[at.peer_id].append(sinks[at.peer_id].get_nowait())
+                    return any(pred(d) for d in seen[at.peer_id])
+                return check
 
             # honest traffic flows: the grpo member's rollouts, the bootstrap's swarm notice
             await grpo.publish("rollouts", b"SNRS honest shard")
             await boot.announce("drain", trigger="test")
-            got_boot = await asyncio.wait_for(sinks[boot.peer_id].get(), 15)
-            assert (got_boot.sender, got_boot.topic, got_boot.data) == (grpo.peer_id, "rollouts", b"SNRS honest shard")
-
-            async def notice_at_grpo():
-                while not sinks[grpo.peer_id].empty():
-                    d = sinks[grpo.peer_id].get_nowait()
-                    if d.topic == "swarm" and d.sender == boot.peer_id and d.notice.kind == "drain":
-                        return True
-                return False
-            await _until(notice_at_grpo, 15, "the bootstrap's drain notice at the grpo member")
+            await _until(arrived(boot, lambda d: (d.sender, d.topic, d.data) == (grpo.peer_id, "rollouts",
+                                                                                 b"SNRS honest shard")),
+                         15, "the grpo member's rollouts at the bootstrap")
+            await _until(arrived(grpo, lambda d: d.sender == boot.peer_id and d.topic == "swarm"
+                                 and d.notice.kind == "drain"), 15, "the bootstrap's drain notice at the grpo member")
 
             # a member of a role that may not publish rollouts: dropped before any work
             await boot.publish("rollouts", b"SNRS from a bootstrap")
@@ -117,11 +120,11 @@ def test_only_members_allowed_on_a_topic_get_through_and_strangers_are_banned(tm
 
             # nothing from the stranger, nor the bootstrap's rollouts, ever reached a subscriber
             for peer, sink in sinks.items():
-                seen = []
+                got = seen[peer]
                 while not sink.empty():
-                    seen.append(sink.get_nowait())
-                assert not [d for d in seen if d.sender == stranger.peer_id], (peer, seen)
-                assert not [d for d in seen if d.sender == boot.peer_id and d.topic == "rollouts"], (peer, seen)
+                    got.append(sink.get_nowait())
+                assert not [d for d in got if d.sender == stranger.peer_id], (peer, got)
+                assert not [d for d in got if d.sender == boot.peer_id and d.topic == "rollouts"], (peer, got)
             for r in readers:
                 r.cancel()
 
