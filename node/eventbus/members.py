@@ -1,8 +1,8 @@
 """Who may publish on the event bus: the run's live members and the topics each may send.
 
-Owns the sender rule both ends of the bus apply before any other work on a message (the sidecar
-before it delivers or forwards, the daemon before it decodes; docs/security.md, 'Event-bus
-membership'): the originator must hold a live node card in the run (state not ``offline``; in
+Owns the sender rule (docs/security.md, 'Event-bus membership') both ends of the bus apply
+before any other work on a message (the sidecar before it delivers or forwards, the daemon
+before it decodes): the originator must hold a live node card in the run (state not ``offline``; in
 token mode a card exists only with a valid admission token for its role, which the DHT validator
 checks, security/records.py), and its card's role must be one that may send on the topic
 (``eventbus.publishers``). Refusal reasons: ``not_member``, ``role_not_allowed``, and
