@@ -202,7 +202,7 @@ class Node:
         self.card = CardPublisher(self.membership, cfg.card, cfg.run_id, self.peer_id, cfg.role, VERSION,
                                   self.grpc_addr, self.started_at)
         self.netem = LinkEmulator(cfg.netem, self_id=self.grpc_addr)
-        self.eventbus = NodeEventBus(cfg, self.key_path, self.card, self.membership, self.peer_id)
+        self.eventbus = NodeEventBus(cfg, self.key_path, self.card, self.membership, self.peer_id, bans=guard.bans)
         ctx = NodeContext(config=cfg, peer_id=self.peer_id, lifecycle=self.lifecycle, membership=self.membership,
                           card=self.card, server=self.grpc.server, grpc_addr=self.grpc_addr,
                           supervisor=self.supervisor, netem=self.netem, set_role_ready=self.set_role_ready,

@@ -8,9 +8,11 @@ from node cards), ``snapshot()`` (peers, mesh, counters, reachability) and ``sta
 (a fresh interpreter, never a fork of this hivemind process); it is restarted with backoff
 when it dies, up to ``eventbus.restart_max`` times, after which the bus reports ``failed`` and
 roles stay on their DHT fallback. Everything the sidecar hands over is re-verified here
-(originator signature, topic, notice schema): its output carries peers' bytes.
+(topic, size, the sender rule of ``gate.py``: a live member allowed on the topic, originator
+signature, notice schema): its output carries peers' bytes.
 
-Imports grpc, msgpack and ``security.keys`` only (no hivemind, no libp2p).
+Imports grpc, msgpack, ``security.keys`` / ``security.limits`` and ``node.logs`` only (no
+hivemind, no libp2p).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import grpc
 
 from node.eventbus import metrics as bus_metrics
 from node.eventbus.config import TOPICS, EventBusConfig
+from node.eventbus.gate import SenderGate
 from node.eventbus.wire import Notice, NoticeError, decode_notice, encode_notice, verify_message
 from protocol import eventbus_pb2, eventbus_pb2_grpc
+from security.limits import BanList
 
 log = logging.getLogger("swarmnode.eventbus")
 # = sidecar.READY_PREFIX / ERROR_PREFIX (not imported: the sidecar imports libp2p)
@@ -176,11 +180,16 @@ class EventBus:
     """The daemon's handle on its sidecar. Make it on the event loop; run ``supervise()`` as a
     background task (it starts the sidecar; or ``await start()`` first to see start errors);
     ``await stop()`` on drain. ``expected_peer_id``: refuse a sidecar whose peer ID differs
-    (the DHT's)."""
+    (the DHT's). ``members_only``: accept a message only from a live member allowed on its
+    topic (``set_members``; node/eventbus/gate.py), what every node does; off only for a bus
+    without a swarm (node/eventbus/localbus.py). ``bans``: the node's ban list (strikes and bans
+    land there); ``ban``: threshold, window_s and ban_s of the sidecar's own strikes
+    (``[limits]``)."""
 
     def __init__(self, cfg: EventBusConfig, *, run_id: str, key_path: str, listen_host: str,
                  advertise_host: str | None = None, allow_insecure_key: bool = False, verbose: bool = False,
-                 expected_peer_id: str = ""):
+                 expected_peer_id: str = "", members_only: bool = False, bans: BanList | None = None,
+                 ban: dict[str, float] | None = None):
         self.cfg, self.run_id = cfg, run_id
         self._own_dir = cfg.socket_dir is None
         sock_dir = Path(tempfile.mkdtemp(prefix="sn-bus-")) if self._own_dir else Path(cfg.socket_dir).expanduser()
@@ -194,7 +203,10 @@ class EventBus:
         self._spec = {"run_id": run_id, "key_path": key_path, "allow_insecure_key": allow_insecure_key,
                       "listen_host": listen_host, "advertise_host": advertise_host,
                       "announce_addrs": cfg.announce_addrs, "socket_path": self.socket_path,
-                      "eventbus": cfg.model_dump(mode="json"), "verbose": verbose}
+                      "eventbus": cfg.model_dump(mode="json"), "verbose": verbose,
+                      "members_only": members_only, "ban": ban or {}}
+        self.members_only = members_only
+        self.gate = SenderGate(cfg, bans=bans, ban=ban)
         self.proc: SidecarProcess | None = None
         self.channel: grpc.aio.Channel | None = None
         self.stub: eventbus_pb2_grpc.EventBusStub | None = None
@@ -248,6 +260,8 @@ class EventBus:
         self.stub = eventbus_pb2_grpc.EventBusStub(self.channel)
         if self._known:
             await self._set_peers_rpc(self._known)
+        if self.members_only and self.gate.members.known:
+            await self._set_members_rpc()
         self.state = "up"
         self.last_error = ""
         self._up.set()
@@ -375,14 +389,31 @@ class EventBus:
         except grpc.aio.AioRpcError as exc:
             log.warning("SetPeers failed: %s", exc.details(), extra={"event": "eventbus_set_peers_failed"})
 
+    async def set_members(self, views: list) -> None:
+        """A fresh read of the run's node cards (``node.card.CardView``s): who may publish on which
+        topic, here and in the sidecar (with the peers this node bans)."""
+        self.gate.update(views)
+        if self.up and self.members_only:
+            await self._set_members_rpc()
+
+    async def _set_members_rpc(self) -> None:
+        assert self.stub is not None
+        try:
+            await self.stub.SetMembers(self.gate.request(), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("SetMembers failed: %s", exc.details(), extra={"event": "eventbus_set_members_failed"})
+
     async def refresh(self, timeout: float = 3.0) -> eventbus_pb2.PeersReply | None:
-        """Ask the sidecar for peers, mesh, counters and reachability; cached for metrics."""
+        """Ask the sidecar for peers, mesh, counters and reachability; cached for metrics. Bans the
+        sidecar made itself join the node's ban list."""
         if not self.up or self.stub is None:
             return None
         try:
             self._snapshot = await self.stub.Peers(eventbus_pb2.PeersRequest(), timeout=timeout)
         except grpc.aio.AioRpcError:
             return None
+        if self._snapshot.banned:
+            self.gate.fold_sidecar_bans(self._snapshot.banned)
         return self._snapshot
 
     def snapshot(self) -> eventbus_pb2.PeersReply | None:
@@ -412,6 +443,7 @@ class EventBus:
             out["probed_peers"] = len(snap.probes)
             sr = snap.self_reachability
             out["reached_by"] = f"{sr.reached_by}/{sr.reporters}"
+            out["reporters"] = [p[-8:] for p in sr.reporter_ids][:16]
             if sr.hint:
                 out["hint"] = sr.hint
         return out
@@ -467,7 +499,8 @@ class EventBus:
                 call.cancel()
 
     def _check(self, m: eventbus_pb2.BusMessage, caps: dict[str, int]) -> Delivery | None:
-        """Re-verify what the sidecar handed over; count and drop what fails."""
+        """Re-verify what the sidecar handed over, cheapest first (topic, size, sender rule,
+        signature, notice schema); count and drop what fails."""
         topic = m.topic
         if topic not in caps or m.full_topic != f"swarmnode/{self.run_id}/{topic}":
             self.counters.local_drop(topic or "unknown", "wrong_topic")
@@ -475,10 +508,16 @@ class EventBus:
         if len(m.data) > caps[topic]:
             self.counters.local_drop(topic, "oversize")
             return None
+        sender = base58.b58encode(bytes(m.from_peer)).decode()
+        if self.members_only:  # the sender rule before any work on the payload
+            reason = self.gate.refusal(sender, topic, lambda: verify_message(
+                m.from_peer, m.data, m.seqno, m.full_topic, m.signature))
+            if reason is not None:
+                self.counters.local_drop(topic, reason)
+                return None
         if not verify_message(m.from_peer, m.data, m.seqno, m.full_topic, m.signature):
             self.counters.local_drop(topic, "bad_signature")
             return None
-        sender = base58.b58encode(bytes(m.from_peer)).decode()
         d = Delivery(topic=topic, data=bytes(m.data), sender=sender, seqno=bytes(m.seqno),
                      received_at=m.received_at, forwarder=m.forwarder)
         if topic == "swarm":

@@ -96,6 +96,12 @@ class EventBusConfig(BaseModel):
     py-libp2p's own default of 32 lost a quarter of a 100-message burst). Raise it if
     ``queue_full`` drops show up under rollout bursts; each slot may hold one topic-cap message."""
 
+    publishers: dict[str, list[str]] = Field(default_factory=lambda: {"rollouts": ["grpo"]})
+    """Which roles may publish on a topic (short topic name -> role names); a topic not listed
+    accepts every member of the run. Messages from a member of another role are dropped before
+    any work (``swarmnode_eventbus_messages_dropped_total{reason="role_not_allowed"}``). Add a
+    role here when a new role publishes on that topic; every node of the run needs the same list."""
+
     socket_dir: str | None = None
     """Folder for the sidecar's unix socket (mode 0700). None: a fresh private temp folder.
     Keep the path short: unix socket paths are limited to 107 bytes."""
@@ -108,6 +114,17 @@ class EventBusConfig(BaseModel):
                 raise ValueError(f"{a!r} is not a gossip address; expected /ip4/<public ip>/tcp/<port> "
                                  "(no /p2p/ suffix)")
         return [a.strip() for a in v]
+
+    @field_validator("publishers")
+    @classmethod
+    def _publishers(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for topic, roles in v.items():
+            if topic not in TOPICS:
+                raise ValueError(f"eventbus.publishers: unknown topic {topic!r}; topics are {', '.join(TOPICS)}")
+            if not roles:
+                raise ValueError(f"eventbus.publishers[{topic!r}] is empty: name at least one role, or drop the "
+                                 "entry to let every member publish there")
+        return v
 
     @model_validator(mode="after")
     def _cross(self) -> "EventBusConfig":

@@ -50,13 +50,18 @@ class Stats:
 
 class CheckedPubsub(Pubsub):
     """Pubsub that counts every message py-libp2p would drop silently on receipt: unsigned or
-    forged (and penalises the neighbour), below the score gate, and those lost in the outbound
+    forged (and penalises the neighbour), from a peer that is not a member allowed on the topic
+(``Bus.screen``, before anything else looks at it) or banned, below the score gate, and those lost in the outbound
     queue of a neighbour whose stream died. It also verifies each signature once, not twice."""
 
     bus: "Bus"
 
     async def push_msg(self, msg_forwarder: ID, msg: Any) -> None:
         mine = msg_forwarder == self.my_id
+        if not mine and (self.is_peer_blacklisted(msg_forwarder) or self.is_peer_blacklisted(ID(msg.from_id))):
+            for tid in msg.topicIDs:  # py-libp2p's own check (next) would drop it without a trace
+                self.bus.stats.drop(self.bus.names.get(tid, "unknown"), "banned")
+            return
         if not mine and not self._is_msg_seen(msg):
             reason = None
             if not msg.signature:
@@ -70,6 +75,9 @@ class CheckedPubsub(Pubsub):
                     reason = "forged"
             if reason is not None:
                 self.bus.reject(msg_forwarder, list(msg.topicIDs), reason)
+                return
+            if not self.bus.screen(msg_forwarder, msg):  # not a member allowed on the topic
+                self._mark_msg_seen(msg)  # its other copies are dropped as seen, not charged again
                 return
             scorer = getattr(self.router, "scorer", None)
             if scorer is not None and not scorer.allow_publish(msg_forwarder, list(msg.topicIDs)):

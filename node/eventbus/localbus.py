@@ -2,7 +2,9 @@
 ``benchmarks/eventbus.py``.
 
 Each bus gets its own Ed25519 key file and a real sidecar process; every bus is told every
-other one's gossip address (what node cards do in a swarm). No daemon, DHT or role is started.
+other one's gossip address (what node cards do in a swarm). No daemon, DHT or role is started,
+so the sender rule (``members.py``) is off unless ``members_only``: then ``set_members`` plays
+the node cards (peer -> role).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -35,10 +38,20 @@ async def wait_mesh(buses: list[EventBus], topic: str, min_peers: int, timeout: 
     return False
 
 
+async def set_members(buses: list[EventBus], roles: dict[str, str], ttl_s: float = 60.0) -> None:
+    """Tell every bus that the peers in ``roles`` (peer ID -> role) hold live cards, as a card
+    read would (``EventBus.set_members``)."""
+    views = [SimpleNamespace(peer_id=p, card=SimpleNamespace(role=r, state="ready"), expiration=time.time() + ttl_s)
+             for p, r in roles.items()]
+    await asyncio.gather(*(b.set_members(views) for b in buses))
+
+
 @asynccontextmanager
-async def local_buses(n: int, workdir: str | Path, run_id: str = "local", **cfg: Any) -> AsyncIterator[list[EventBus]]:
+async def local_buses(n: int, workdir: str | Path, run_id: str = "local", *, members_only: bool = False,
+                      ban: dict[str, float] | None = None, **cfg: Any) -> AsyncIterator[list[EventBus]]:
     """Start ``n`` sidecars (``cfg`` overrides EventBusConfig fields), wire them, supervise
-    them (a killed sidecar restarts), and stop them all on exit."""
+    them (a killed sidecar restarts), and stop them all on exit. ``members_only`` / ``ban``: as
+    in :class:`EventBus` (every bus)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     settings = {"enabled": True, "port": 0, "heartbeat_s": 0.5, **cfg}
@@ -47,7 +60,8 @@ async def local_buses(n: int, workdir: str | Path, run_id: str = "local", **cfg:
         path = workdir / f"bus-{i}.key"
         if not path.exists():
             write_key_file(path, generate_key())
-        buses.append(EventBus(EventBusConfig(**settings), run_id=run_id, key_path=str(path), listen_host="127.0.0.1"))
+        buses.append(EventBus(EventBusConfig(**settings), run_id=run_id, key_path=str(path), listen_host="127.0.0.1",
+                              members_only=members_only, ban=ban))
     tasks: list[asyncio.Task] = []
     try:
         # two at a time: eight interpreters importing py-libp2p at once on a small machine can

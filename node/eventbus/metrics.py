@@ -80,6 +80,7 @@ class _BusCollector(Collector):
                                     labels=["topic"])
         drop_f = CounterMetricFamily("swarmnode_eventbus_messages_dropped",
                                      "Messages dropped: oversize, unsigned, forged, invalid, slow_subscriber; "
+                                     "not_member, role_not_allowed, members_unknown, banned (the sender rule); "
                                      "local_* = by the daemon's re-check.", labels=["topic", "reason"])
         mesh_f = GaugeMetricFamily("swarmnode_eventbus_mesh_peers", "Gossipsub mesh peers per topic.",
                                    labels=["topic"])

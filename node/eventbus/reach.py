@@ -4,7 +4,8 @@ gossip address, and what do peers report about dialling us.
 Owns the probe loop (every ``eventbus.probe_interval_s``: a fresh dial from a throwaway identity
 to each address a peer's card advertises, then ping and identify), the ``reachability`` notice
 it gossips on ``swarm`` (``ok``: peers reached; ``fail``: peer -> [address, error]), the
-reports peers send about us, and the hint for a node nobody can reach (which address failed,
+reports peers send about us (only members' count: ``Bus.screen`` drops strangers' notices, and
+reports of peers that left stop counting), and the hint for a node nobody can reach (which address failed,
 and what to set). Runs on the sidecar's Trio thread; imports libp2p, never hivemind.
 """
 
@@ -130,6 +131,8 @@ class Prober:
         """What peers reported about dialling us, and what to fix when none could."""
         horizon = time.time() - _REPORT_WINDOW * self.cfg.probe_interval_s - 5
         recent = {r: v for r, v in self.reports.items() if v[3] >= horizon}
+        if self.bus.members_only:  # only members' reports count (a stranger must not vouch for us)
+            recent = {r: v for r, v in recent.items() if self.bus.members.refusal(r, "swarm") is None}
         reached = sum(1 for v in recent.values() if v[0])
         failed_addrs = sorted({a for v in recent.values() if not v[0] for a in v[1]})
         hint = ""
@@ -140,7 +143,7 @@ class Prober:
                     f"({'; '.join(errors) or 'unreachable'}): open TCP port {port or 'eventbus.port'} to the swarm, "
                     "or set eventbus.announce_addrs (and advertise_host) to an address peers can reach")
         return eventbus_pb2.SelfReachability(reporters=len(recent), reached_by=reached,
-                                             failed_addrs=failed_addrs, hint=hint)
+                                             failed_addrs=failed_addrs, hint=hint, reporter_ids=sorted(recent))
 
 
     def on_notice(self, notice: Notice) -> None:

@@ -2,7 +2,8 @@
 publish the node's gossip address and reachability on its card, announce its drain.
 
 Owns the glue between :class:`node.eventbus.client.EventBus` and the daemon (card, membership,
-supervisor). One supervised task runs it all and never fails the node: a bus that cannot start
+supervisor, the node's ban list): the bus accepts messages only from the run's live members
+(``gate.py``), read from the cards here. One supervised task runs it all and never fails the node: a bus that cannot start
 or keeps dying ends in state ``failed`` and roles use their DHT fallback. The sidecar must come
 up with the node's own peer ID (the DHT's), or it is refused.
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from node.card import CardPublisher
     from node.config import NodeConfig
     from node.membership import Membership
+    from security.limits import BanList
 
 log = logging.getLogger("swarmnode.eventbus")
 
@@ -30,13 +32,16 @@ class NodeEventBus:
     """``bus`` is what roles use (``ctx.eventbus.bus``), None while disabled."""
 
     def __init__(self, cfg: "NodeConfig", key_path: str, card: "CardPublisher", membership: "Membership",
-                 peer_id: str):
+                 peer_id: str, bans: "BanList | None" = None):
+        """``bans``: the node's ban list (the call guard's): bus strikes and bans land there."""
         self.cfg, self.card, self.membership, self.peer_id = cfg, card, membership, peer_id
         self.bus: EventBus | None = None
         if cfg.eventbus.enabled:
+            lim = cfg.limits
             self.bus = EventBus(cfg.eventbus, run_id=cfg.run_id, key_path=key_path, listen_host=cfg.host,
                                 advertise_host=cfg.grpc_host, allow_insecure_key=cfg.identity.allow_insecure_mode,
-                                expected_peer_id=peer_id)
+                                expected_peer_id=peer_id, members_only=True, bans=bans,
+                                ban={"threshold": lim.ban_threshold, "window_s": lim.ban_window_s, "ban_s": lim.ban_s})
             self.bus.on_up.append(self._publish_addr)  # a restart with port 0 changes the address
         self._hint_logged = ""
 
@@ -69,7 +74,8 @@ class NodeEventBus:
         self.card.update(publish=True, gossip_addr=",".join(bus.advertised_addrs)[:200])
 
     async def _discover(self, bus: EventBus) -> None:
-        """Every card refresh: the run's cards -> the sidecar's peer set; our reachability -> card."""
+        """Every card refresh: the run's cards -> the sidecar's peer set and the bus's members (who
+        may publish on which topic); our reachability -> card."""
         from node.card import read_cards
 
         interval = max(1.0, min(self.cfg.card.refresh_s, 5.0))
@@ -78,6 +84,7 @@ class NodeEventBus:
             if dht is not None:
                 try:
                     views = await read_cards(dht, self.cfg.run_id, timeout=5.0)
+                    await bus.set_members(views)
                     await bus.set_peers(gossip_peers_from_cards(views, self.peer_id))
                 except Exception as exc:  # noqa: BLE001 - next round retries
                     log.debug("event-bus discovery failed: %r", exc)

@@ -4,13 +4,14 @@ over gRPC on a unix socket.
 Runs as ``python -m node.eventbus.sidecar SPEC_JSON`` (started by ``node/eventbus/client.py``).
 Owns, inside the child: the libp2p host built from the node's own Ed25519 key file (same peer
 ID as the DHT), the run's topics and their validators (drop oversized or malformed messages;
-py-libp2p then penalises the neighbour that sent them), delivery to local subscribers,
+py-libp2p then penalises the neighbour that sent them), the sender rule (``Bus.screen``: only
+members the daemon names may publish, each on its topics; repeat offenders are banned), delivery to local subscribers,
 dialling the peers the daemon passes in (from their node cards), and the local ``EventBus``
 gRPC service. The gossipsub adaptations live in ``gossip``, the reachability prober in ``reach``.
 
 Process rules: this module NEVER imports hivemind, directly or through other ``node`` modules
-(only ``node.eventbus.config``/``wire``/``gossip``/``reach``, ``security.keys`` and
-``protocol.eventbus_pb2*``): hivemind and py-libp2p register the same protobuf symbols
+(only ``node.eventbus.config``/``wire``/``gossip``/``reach``/``members``, ``security.keys``,
+``security.limits`` and ``protocol.eventbus_pb2*``): hivemind and py-libp2p register the same protobuf symbols
 (docs/security.md, 'Process separation'). The child exits when its stdin closes (the daemon died), so it never
 outlives its node.
 
@@ -45,10 +46,12 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from node.eventbus import gossip
 from node.eventbus.config import TOPICS, EventBusConfig
+from node.eventbus.members import BusMembers
 from node.eventbus.reach import Prober
 from node.eventbus.wire import NoticeError, decode_notice, full_topic
 from protocol import eventbus_pb2, eventbus_pb2_grpc
 from security.keys import load_key_file
+from security.limits import BanList
 
 log = logging.getLogger("swarmnode.eventbus.sidecar")
 READY_PREFIX = "EVENTBUS_READY "
@@ -90,6 +93,14 @@ class Bus:
         self.token: Any = None
         self.publish_lock = trio.Lock()
         self.my_id_bytes = b""
+        # the sender rule (node/eventbus/members.py): on in every node; off only for a bus without a
+        # swarm (node/eventbus/localbus.py: benchmarks and transport tests)
+        self.members_only = bool(spec.get("members_only", False))
+        self.members = BusMembers()
+        ban = spec.get("ban") or {}
+        self.bans = BanList(threshold=int(ban.get("threshold", 20)), window_s=float(ban.get("window_s", 60.0)),
+                            ban_s=float(ban.get("ban_s", 600.0)))
+        self.daemon_banned: set[str] = set()
 
     # ---- validation ----
     def reject(self, forwarder: ID, topic_ids: list[str], reason: str) -> None:
@@ -98,6 +109,63 @@ class Bus:
             if self.router is not None and self.cfg.invalid_message_penalty > 0:
                 self.router.scorer.on_invalid_message(forwarder, tid)
         log.info("dropped a %s message from %s on %s", reason, forwarder, topic_ids)
+
+    def screen(self, forwarder: ID, msg: Any) -> bool:
+        """The sender rule, before any other work on a signed message (its signature is verified):
+        True when its originator may publish on its topic. Otherwise the drop is counted under the
+        reason; a sender that is known not to be allowed is charged a strike (banned after
+        ``limits.ban_threshold`` in ``limits.ban_window_s``: blacklisted, its connection closed),
+        and a neighbour that originated the message itself also loses gossipsub score."""
+        if not self.members_only:
+            return True
+        origin = ID(msg.from_id).to_base58()
+        reason = None
+        for tid in msg.topicIDs:
+            name = self.names.get(tid)
+            if name is not None:
+                reason = self.members.refusal(origin, name)
+                if reason is not None:
+                    break
+        if reason is None:
+            return True
+        for tid in msg.topicIDs:
+            self.stats.drop(self.names.get(tid, "unknown"), reason)
+        if reason == "members_unknown":
+            return False
+        if self.router is not None and self.cfg.invalid_message_penalty > 0 and \
+                forwarder.to_bytes() == bytes(msg.from_id):
+            for tid in msg.topicIDs:
+                self.router.scorer.on_invalid_message(forwarder, tid)
+        if self.bans.record_rejection(origin, f"bus_{reason}"):
+            log.warning("banned %s from the bus for %.0f s: repeated messages while %s", origin, self.bans.ban_s,
+                        reason)
+            self._sync_blacklist()
+        return False
+
+    def banned_ids(self) -> set[str]:
+        return {str(k) for k in self.bans.banned()} | self.daemon_banned
+
+    def _sync_blacklist(self) -> None:
+        """py-libp2p's blacklist = our bans + the daemon's (expired ones are lifted)."""
+        if self.pubsub is None:
+            return
+        want = set()
+        for peer in self.banned_ids():
+            try:
+                want.add(ID.from_base58(peer))
+            except Exception:  # noqa: BLE001 - not a peer ID (a banned IP from the daemon)
+                continue
+        have = self.pubsub.get_blacklisted_peers()
+        for pid in have - want:
+            self.pubsub.remove_from_blacklist(pid)
+        for pid in want - have:
+            self.pubsub.add_to_blacklist(pid)
+
+    def set_members_sync(self, members: dict[str, list[str]], banned: list[str]) -> tuple[int, int]:
+        self.members.replace(members)
+        self.daemon_banned = set(banned)
+        self._sync_blacklist()
+        return len(members), len(self.pubsub.get_blacklisted_peers()) if self.pubsub is not None else 0
 
     def validator(self, name: str):
         cap = self.caps[name]
@@ -229,7 +297,8 @@ class Bus:
     def peers_sync(self) -> eventbus_pb2.PeersReply:
         assert self.router is not None and self.pubsub is not None
         reply = eventbus_pb2.PeersReply(peer_id=self.peer_id, listen_addrs=self.listen_addrs,
-                                        advertised_addrs=self.advertised, known_peers=len(self.known))
+                                        advertised_addrs=self.advertised, known_peers=len(self.known),
+                                        banned=sorted(str(k) for k in self.bans.banned()))
         reply.connected.extend(sorted(p.to_base58() for p in self.host.get_connected_peers()))
         for name, tid in self.topic_ids.items():
             ts = reply.topics.add(topic=name, mesh_peers=len(self.router.mesh.get(tid, ())),
@@ -311,6 +380,15 @@ class Servicer(eventbus_pb2_grpc.EventBusServicer):
         except trio.RunFinishedError:
             context.abort(grpc.StatusCode.UNAVAILABLE, "event-bus sidecar is stopping")
         return eventbus_pb2.SetPeersReply(known=known, connected=connected)
+
+    def SetMembers(self, request, context):  # noqa: N802
+        members = {m.peer_id: [t for t in m.topics if t in self.bus.topic_ids][:8] for m in request.members[:65536]}
+        banned = list(request.banned[:65536])
+        try:
+            n, b = trio.from_thread.run_sync(self.bus.set_members_sync, members, banned, trio_token=self.bus.token)
+        except trio.RunFinishedError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "event-bus sidecar is stopping")
+        return eventbus_pb2.SetMembersReply(members=n, banned=b)
 
 
 def _seed(key_path: str, allow_insecure: bool) -> bytes:
