@@ -99,6 +99,10 @@ async def download_checked(donors: Sequence[CardView], fetch: Fetch, names: Sequ
     chosen = next(g for g in got if g[0].peer_id == verdict.chosen.peer_id)
     label = supported_label([c.progress for c in verdict.agreeing], quorum=quorum)
     progress = min(chosen[3], label.label if label.label is not None else chosen[3])
+    emit(log, "state_donor_chosen", "adopting {donor}'s state at {progress_key} {progress}: {n_agree} of {n} donors "
+         "agree", donor=verdict.chosen.peer_id, progress_key=progress_key, progress=progress,
+         n_agree=len(verdict.agreeing), n=len(cands), served=chosen[3],
+         distances={p: round(d, 4) for p, d in verdict.distances.items()})
     if verdict.lone or label.lone:
         why = "it is the only peer to ask" if len(donors) <= 1 else \
             f"{len(donors) - 1} other donor(s) failed or were not asked"

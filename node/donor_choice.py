@@ -54,8 +54,9 @@ class DonorCheckSettings(BaseModel):
     """A round label is adopted (a joiner's start round, ``catch_up``) only when at least this
     many distinct READY peers have reached it, so a single card cannot ratchet the labels of the
     swarm. With fewer peers than this in the swarm the most advanced ones count (a lone peer is
-    followed, and said so in the log). 1 follows the single most advanced card (the old
-    behaviour)."""
+    followed, and said so in the log). The price: a single worker far faster than all the others
+    is followed only once a second one reaches its label. 1 follows the single most advanced card
+    (the old behaviour: a lone fast worker is followed at once, and so is a forged card)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class DonorVerdict:
     """The candidates within the distance bound of the chosen one (the chosen one included)."""
     rejected: dict[str, float] = field(default_factory=dict)
     """peer ID -> its distance to the chosen one, for each candidate outside the bound."""
+    distances: dict[str, float] = field(default_factory=dict)
+    """peer ID -> its distance to the chosen one, for every other candidate."""
     lone: bool = False
     """Only one candidate: adopted unchecked (nobody to compare it with)."""
     reason: str = "majority"
@@ -128,8 +131,9 @@ def choose_donor(candidates: Sequence[Candidate], max_distance: float) -> DonorV
                                       for i, c in enumerate(candidates)})
     k = best[-1]
     agreeing = [c for j, c in enumerate(candidates) if j == k or dist[k][j] <= max_distance]
-    rejected = {c.peer_id: dist[k][j] for j, c in enumerate(candidates) if j != k and dist[k][j] > max_distance}
-    return DonorVerdict(candidates[k], agreeing, rejected)
+    distances = {c.peer_id: dist[k][j] for j, c in enumerate(candidates) if j != k}
+    rejected = {peer: d for peer, d in distances.items() if d > max_distance}
+    return DonorVerdict(candidates[k], agreeing, rejected, distances)
 
 
 @dataclass(frozen=True)

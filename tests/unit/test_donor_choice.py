@@ -114,3 +114,76 @@ def test_settings_defaults_and_bounds():
         DonorCheckSettings(donors_compared=0)
     with pytest.raises(ValueError):
         DonorCheckSettings(unknown=1)
+
+
+# ---- download_checked (node/checked_download.py) with a fake fetch: which state is adopted, what is counted
+
+def _view(peer: str, rnd: int):
+    from node.card import CardView, NodeCard
+    card = NodeCard(role="noloco", state="ready", version="0", grpc_addr=f"127.0.0.1:{abs(hash(peer)) % 60000 + 1}",
+                    started_at=0.0, published_at=0.0, details={"cfg_hash": "h", "round": rnd})
+    return CardView(peer_id=peer, card=card, expiration=0.0)
+
+
+def _fetcher(states: dict):
+    from node.state_sync import StateFetchError
+
+    async def fetch(view):
+        served = states[view.peer_id]
+        if served is None:
+            raise StateFetchError(f"{view.card.grpc_addr} is busy")
+        rnd, tensors = served
+        return {"round": str(rnd)}, {"a": tensors[0], "b": tensors[1]}
+    return fetch
+
+
+async def _download(donors, states, **kw):
+    import logging
+
+    from node.checked_download import download_checked
+    return await download_checked(donors, _fetcher(states), ["a", "b"], log=logging.getLogger("swarmnode.test_donor"),
+                                  progress_key="round", min_progress=1, **kw)
+
+
+def _counted(reason: str) -> float:
+    from node import metrics as NM
+    return NM.STATE_DONORS_REJECTED.labels(reason=reason)._value.get()
+
+
+async def test_download_rejects_the_forger_and_starts_at_a_round_two_donors_served(caplog):
+    caplog.set_level("INFO", logger="swarmnode.test_donor")
+    donors = [_view("forger", 112), _view("h1", 100), _view("h2", 99)]
+    before = _counted("outlier")
+    got = await _download(donors, {"forger": (112, _scrambled(1)), "h1": (100, _state(1, 0.02)),
+                                   "h2": (99, _state(2, 0.02))})
+    assert got.donor in {"h1", "h2"} and got.progress == 99 and list(got.rejected) == ["forger"]
+    assert _counted("outlier") == before + 1
+    named = [r for r in caplog.records if getattr(r, "event", None) == "state_donor_rejected"]
+    assert named and "forger" in named[0].getMessage()
+
+
+async def test_a_forger_serving_honest_weights_cannot_lift_the_start_round():
+    honest = _state(1, 0.0)
+    got = await _download([_view("forger", 112), _view("h1", 100)], {"forger": (112, honest), "h1": (100, honest)})
+    assert got.progress == 100 and not got.rejected  # the weights agree, the round needs two donors
+
+
+async def test_a_lone_donor_is_adopted_and_said_so_and_disagreeing_pairs_are_not(caplog):
+    caplog.set_level("INFO", logger="swarmnode.test_donor")
+    got = await _download([_view("only", 7)], {"only": (7, _state(1))})
+    assert got.donor == "only" and got.lone and got.progress == 7
+    unchecked = [r for r in caplog.records if getattr(r, "event", None) == "state_donor_unchecked"]
+    assert unchecked and "only peer" in unchecked[0].getMessage()
+    # the other donors failed: the one that answered is adopted unchecked, with that reason
+    got = await _download([_view("h1", 9), _view("busy", 9)], {"h1": (9, _state(1)), "busy": None})
+    assert got.donor == "h1" and got.lone
+    before = _counted("no_majority")
+    assert await _download([_view("h", 9), _view("x", 9)], {"h": (9, _state(1)), "x": (9, _scrambled(2))}) is None
+    assert _counted("no_majority") == before + 2
+
+
+async def test_a_failed_donor_is_replaced_by_the_next_one():
+    donors = [_view("busy", 12), _view("h1", 11), _view("h2", 11), _view("h3", 10)]
+    got = await _download(donors, {"busy": None, "h1": (11, _state(1, 0.01)), "h2": (11, _state(2, 0.01)),
+                                   "h3": (10, _state(3, 0.01))}, compare=3)
+    assert not got.lone and len(got.agreeing) == 3 and got.progress == 11  # two donors served 11
