@@ -46,9 +46,11 @@ class DonorCheckSettings(BaseModel):
 
     donor_max_distance: float = Field(0.5, gt=0)
     """Two donors agree when ``||a - b|| <= k * min(||a||, ||b||)`` over the whole state. Honest
-    replicas of the test model measured 0.0-0.1 apart; scrambled or random weights of the same
-    norm are about 1.4 away. Raise it if ``swarmnode_state_donors_rejected_total`` rises in a
-    swarm without attackers (replicas that trained apart for very long); lower it to be stricter."""
+    replicas measured 0.0 apart in tests/integration/test_donor_attack.py (a pair's phi is equal
+    after its exchange; replicas never averaged for 40 inner steps: about 0.25, see
+    ``noloco.max_distance_ratio``); the honest weights scrambled measured 1.19-1.35. Raise it if
+    ``swarmnode_state_donors_rejected_total`` rises in a swarm without attackers (replicas that
+    trained apart for very long); lower it to be stricter."""
 
     round_label_quorum: int = Field(2, ge=1, le=8)
     """A round label is adopted (a joiner's start round, ``catch_up``) only when at least this
