@@ -70,6 +70,10 @@ EVAL_LOSS_INITIAL = Gauge("swarmnode_eval_loss_initial", "Validation loss when t
                           registry=REGISTRY)
 STATE_DOWNLOADS = Counter("swarmnode_state_downloads_total", "State downloads by a joiner, by outcome.", ["outcome"],
                           registry=REGISTRY)
+STATE_DONORS_REJECTED = Counter("swarmnode_state_donors_rejected_total",
+                                "Downloaded donor states not adopted because they disagree with the other donors "
+                                "(outlier: far from the majority's; no_majority: no two donors agreed).", ["reason"],
+                                registry=REGISTRY)
 CHECKPOINTS = Counter("swarmnode_checkpoints_total", "Checkpoints written or loaded, by outcome.", ["outcome"],
                       registry=REGISTRY)
 

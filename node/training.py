@@ -57,17 +57,17 @@ from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 
-from node import metrics as NM
-from node.card import CardView, card_int
+from node.card import CardView
 from node.checkpoint import CheckpointError, Checkpointer, Stateful
 from node.compute import Compute
+from node.checked_download import Downloaded, download_checked
 from node.device import device_details, record_memory, resolve_device
+from node.donor_choice import DonorCheckSettings
 from node.logs import emit
 from node.roles import NodeContext, RoleBase, Service
 from node.round_report import TrainStep, report_round, update_card
 from node.run_settings import RunSettings, TrainingCard, require_loopback
-from node.state_sync import Expected, StateFetchError, StateServicer, StateSnapshot, add_state_service, fetch_state, \
-    meta_int, order_donors
+from node.state_sync import Expected, StateServicer, StateSnapshot, add_state_service, fetch_state, order_donors
 
 __all__ = ["TrainStep", "TrainingRole", "require_loopback"]
 
@@ -136,6 +136,7 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
         self._snapshot: StateSnapshot | None = None
         self._state: StateServicer | None = None
         self._cfg_hash = ""
+        self.rejected_donors: set[str] = set()     # donors whose state disagreed with the majority: never asked again
 
     # ---------------------------------------------------------------- hooks
     @abstractmethod
@@ -392,34 +393,38 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
 
     async def download_state(self, views: Iterable[CardView], expected: Expected, *,
                              optimizer: Expected | None = None, min_progress: int = 1, tries: int = 3,
-                             max_jump: int | None = None, timeout: float = 60.0
-                             ) -> tuple[dict[str, str], dict[str, torch.Tensor], str] | None:
-        """(metadata, tensors, donor peer ID) from the most advanced READY peer of this role and
-        ``cfg_hash`` among ``views`` (node cards) at or past ``min_progress``, or None after
-        ``tries`` donors failed (each failure logged and counted). The served progress must not
-        be ahead of the donor's card; tensors come back as :func:`node.state_sync.fetch_state`
-        returns them (host tensors, checked)."""
-        donors = order_donors(views, role=self.name, cfg_hash=self.cfg_hash, progress_key=self.progress_key,
-                              exclude=self.ctx.peer_id, min_progress=min_progress, max_jump=max_jump)
-        for donor in donors[:tries]:
-            addr = donor.card.grpc_addr
-            try:
-                meta, tensors = await fetch_state(addr, self.ctx.config.run_id, self.ctx.peer_id, self.cfg_hash,
-                                                  expected, optimizer=optimizer, offload=self.compute.run,
-                                                  max_message_bytes=self.ctx.config.grpc.max_message_bytes,
-                                                  peer_id=donor.peer_id, timeout=timeout)
-                got, claimed = meta_int(meta, self.progress_key, addr), card_int(donor, self.progress_key) or 0
-                if not min_progress <= got <= claimed:
-                    raise StateFetchError(f"{addr} served {self.progress_key} {got}, but its card says {claimed} "
-                                          f"(and we need >= {min_progress}); not adopting it")
-            except StateFetchError as exc:
-                NM.STATE_DOWNLOADS.labels(outcome="failed").inc()
-                emit(self.log, "state_download_failed", "state download failed: {error}", level=logging.WARNING,
-                     error=str(exc), donor=donor.peer_id)
-                continue
-            NM.STATE_DOWNLOADS.labels(outcome="ok").inc()
-            return meta, tensors, donor.peer_id
-        return None
+                             max_jump: int | None = None, timeout: float = 60.0, ahead: int = 0,
+                             check: DonorCheckSettings | None = None, request: Mapping[str, int] | None = None
+                             ) -> Downloaded | None:
+        """The state to adopt from the READY peers of this role and ``cfg_hash`` among ``views``
+        (node cards) at or past ``min_progress``, checked against other donors first
+        (node/checked_download.py): up to ``check.donors_compared`` are downloaded at once and
+        the one the majority agrees with is adopted, at the progress at least
+        ``check.round_label_quorum`` of them served; disagreeing donors are rejected (counted,
+        logged) and never asked again by this node. None when no donor could be downloaded
+        (``tries`` more after the first wave) or none agreed. A served progress may be up to
+        ``ahead`` past the donor's card; tensors come back as :func:`node.state_sync.fetch_state`
+        returns them (host tensors, checked); ``request`` adds fields to the fetch request
+        (e.g. ``round``)."""
+        check = check or DonorCheckSettings()
+        donors = [v for v in order_donors(views, role=self.name, cfg_hash=self.cfg_hash,
+                                          progress_key=self.progress_key, exclude=self.ctx.peer_id,
+                                          min_progress=min_progress, max_jump=max_jump)
+                  if v.peer_id not in self.rejected_donors]
+
+        async def fetch(view: CardView):
+            return await fetch_state(view.card.grpc_addr, self.ctx.config.run_id, self.ctx.peer_id, self.cfg_hash,
+                                     expected, optimizer=optimizer, offload=self.compute.run,
+                                     max_message_bytes=self.ctx.config.grpc.max_message_bytes,
+                                     peer_id=view.peer_id, timeout=timeout, **dict(request or {}))
+
+        got = await download_checked(donors, fetch, list(expected), log=self.log, progress_key=self.progress_key,
+                                     min_progress=min_progress, ahead=ahead, compare=check.donors_compared,
+                                     tries=tries, max_distance=check.donor_max_distance,
+                                     quorum=check.round_label_quorum, offload=self.compute.run)
+        if got is not None:
+            self.rejected_donors.update(got.rejected)
+        return got
 
     # ---------------------------------------------------------------- reports
     def update_card(self, details: TrainingCard, publish: bool = False) -> None:

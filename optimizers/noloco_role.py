@@ -15,8 +15,9 @@ when no valid partner: never a hang; a refused step is rolled back) -> report (m
 ``averaging_round_done``) -> evaluation when due; the base checkpoints every
 ``checkpoint_every`` rounds. NoLoCo trains on while its exchange is in flight
 (``overlap_fraction``: the next round's first steps; theta <- phi + the progress since the
-tensors were sent), so waiting for a partner costs little. A joiner downloads phi and the round
-from the most advanced READY peer and starts at that round with fresh Adam state and m = 0.
+tensors were sent), so waiting for a partner costs little. A joiner downloads phi from several READY
+peers, adopts the state the majority agrees with at a round at least two of them reached
+(node/checked_download.py) and starts there with fresh Adam state and m = 0.
 
 Devices (the ``[device]`` section): the base resolves the device on the compute thread once the
 DHT is up (hivemind forked before any CUDA call); the engine gets a placement: the forward pass
@@ -35,12 +36,13 @@ import time
 from functools import partial
 
 from node import metrics as NM
-from node.card import CardView, card_int, frontier_card_int, peers, read_cards
+from node.card import CardView, card_int, peers, read_cards
 from node.device import PinnedPool, autocast, grad_scaler, outer_state_device, record_memory
 from node.logs import emit
 from node.metrics import count_rejection
 from node.roles import NodeContext, Service, register
-from node.state_sync import StateFetchError, StateServicer, StateSnapshot, fetch_state, meta_int, order_donors
+from node.donor_choice import LabelSupport, supported_label
+from node.state_sync import StateServicer, StateSnapshot
 from node.training import TrainingRole
 from optimizers import noloco_metrics as M
 from optimizers.exchange import ExchangeResult, OuterExchange, add_exchange_to_server
@@ -194,36 +196,23 @@ class NoLoCoRole(TrainingRole):
                  donor=donor)
 
     async def _fetch_from_donor(self, min_round: int) -> tuple[int, list, str] | None:
-        """(round, phi, donor) from the most advanced READY worker of this run (round >= min_round).
-        A donor may serve a round up to ``max_round_skew`` past its card: the card is published
-        after the outer step, so a download can see the new state under the old card."""
+        """(round, phi, donor) from the READY workers of this run (round >= min_round), checked
+        before it is adopted (``TrainingRole.download_state``): up to ``donors_compared`` are
+        downloaded, the state the majority agrees with wins and disagreeing donors are rejected;
+        the round is the one at least ``round_label_quorum`` agreeing donors served. A donor may
+        serve a round up to ``max_round_skew`` past its card: the card is published after the
+        outer step, so a download can see the new state under the old card."""
         views = await self._read_views(timeout=10.0)
         if views is None:
             emit(log, "state_donor_unknown", "could not read node cards to find a state donor", level=logging.WARNING)
             return None
-        donors = order_donors(views, role=self.name, cfg_hash=self.cfg_hash, exclude=self.ctx.peer_id,
-                              min_progress=min_round,  # most advanced first, random among ties,
-                              max_jump=self.cfg.max_round_jump)  # none past the robust frontier
         expected = self.engine.specs()
-        for donor in donors[:3]:
-            addr = donor.card.grpc_addr
-            try:
-                meta, tensors = await fetch_state(addr, self.ctx.config.run_id, self.ctx.peer_id, self.cfg_hash,
-                                                  expected, round=self.engine.round, offload=self.compute.run,
-                                                  max_message_bytes=self.ctx.config.grpc.max_message_bytes,
-                                                  peer_id=donor.peer_id)
-                rnd, claimed = meta_int(meta, "round", addr), card_int(donor, "round") or 0
-                if not min_round <= rnd <= claimed + self.cfg.max_round_skew:
-                    raise StateFetchError(f"{addr} served round {rnd}, but its card says {claimed} "
-                                          f"(and we need >= {min_round}); not adopting it")
-            except StateFetchError as exc:
-                NM.STATE_DOWNLOADS.labels(outcome="failed").inc()
-                emit(log, "state_download_failed", "state download failed: {error}", level=logging.WARNING,
-                     error=str(exc), donor=donor.peer_id)
-                continue
-            NM.STATE_DOWNLOADS.labels(outcome="ok").inc()
-            return rnd, [tensors[n] for n in expected], donor.peer_id
-        return None
+        got = await self.download_state(views, expected, min_progress=min_round, ahead=self.cfg.max_round_skew,
+                                        max_jump=self.cfg.max_round_jump,  # none past the robust frontier
+                                        check=self.cfg, request={"round": self.engine.round})
+        if got is None:
+            return None
+        return got.progress, [got.tensors[n] for n in expected], got.donor
 
     async def _resync_phi(self) -> None:
         """DiLoCo assumes identical phi: after a missed global round, take a peer's phi (and round);
@@ -485,23 +474,36 @@ class NoLoCoRole(TrainingRole):
         return self.cfg.catch_up and self.cfg.outer == "noloco"  # DiLoCo resyncs phi instead
 
     def _label(self, views: list | None) -> int:
-        """The round label for this exchange: ours, or the most advanced live peer's if higher
-        (``WorkerConfig.catch_up``). The engine's round moves only when the round completes."""
+        """The round label for this exchange: ours, or the label the live peers support if higher
+        (``WorkerConfig.catch_up``: one that ``round_label_quorum`` peers reached). The engine's
+        round moves only when the round completes."""
         own = self.engine.round
-        target = self._frontier(views) if self._catches_up else None
+        support = self._support(views) if self._catches_up else None
+        target = None if support is None else support.label
         if target is None or target <= own:
             return own
-        emit(log, "round_catch_up", "round label {from_round} -> {round}: the swarm is ahead", from_round=own,
-             round=target)
+        emit(log, "round_catch_up", "round label {from_round} -> {round}: the swarm is ahead ({supporters} "
+             "peer(s) there{lone})", from_round=own, round=target, supporters=support.support, lone_peer=support.lone,
+             lone=", the only peer to follow" if support.lone else "", ignored=support.ignored)
         M.ROUND_CATCH_UPS.inc()
         return target
 
     def _frontier(self, views: list | None) -> int | None:
-        """The most advanced live peer's round label (None: no view, or no peer with a round).
-        Range check: a card more than max_round_jump past the peers' median is ignored."""
+        """The highest round label the live peers support (None: no view, or no peer with a
+        round): see :meth:`_support`."""
+        support = self._support(views)
+        return None if support is None else support.label
+
+    def _support(self, views: list | None) -> LabelSupport | None:
+        """The live peers' supported round label (``node.donor_choice.supported_label``): the
+        highest one at least ``round_label_quorum`` READY workers reached, so one card cannot
+        ratchet our label; range check first: a card more than ``max_round_jump`` past the
+        peers' median is ignored. None without a view."""
         if views is None:
             return None
-        return frontier_card_int(self._ready_peers(views), "round", self.cfg.max_round_jump, own=self.engine.round)
+        labels = [card_int(v, "round") for v in self._ready_peers(views)]
+        return supported_label(labels, own=self.engine.round, max_jump=self.cfg.max_round_jump,
+                               quorum=self.cfg.round_label_quorum)
 
     async def _live_workers(self) -> int:
         """DiLoCo: how many workers to expect in the global average (READY or joining, not finishing)."""

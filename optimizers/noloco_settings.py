@@ -11,16 +11,18 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.config import DataConfig, ModelConfig
+from node.donor_choice import DonorCheckSettings
 from node.run_settings import RunSettings, TrainingCard
 from optimizers.config import NoLoCoConfig
 
 __all__ = ["NoLoCoCard", "RoleSettings", "WorkerConfig"]
 
 
-class WorkerConfig(NoLoCoConfig, RunSettings):
+class WorkerConfig(NoLoCoConfig, RunSettings, DonorCheckSettings):
     """``[noloco]``: the method knobs (optimizers/config.py), the run knobs every training role
-    shares (node/run_settings.py; ``eval_every`` and ``checkpoint_every`` count outer rounds)
-    and how this worker runs."""
+    shares (node/run_settings.py; ``eval_every`` and ``checkpoint_every`` count outer rounds),
+    the checks on donors and round labels (node/donor_choice.py: ``donors_compared``,
+    ``donor_max_distance``, ``round_label_quorum``) and how this worker runs."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     legacy_keys = {"exit_after_steps": "exit_after"}
@@ -38,10 +40,11 @@ class WorkerConfig(NoLoCoConfig, RunSettings):
 
     join_from_peers: bool = True
     """A new worker in a run that already has trained rounds downloads a peer's state first
-    (from the most advanced live peer)."""
+    (compared across ``donors_compared`` live peers; docs/noloco.md, 'Joining and catching up')."""
 
     catch_up: bool = True
-    """Before each exchange, adopt the highest round label among live peers' node cards, so a
+    """Before each exchange, adopt the highest round label that ``round_label_quorum`` live peers'
+    node cards have reached (one card alone never moves it, unless it is the only peer), so a
     worker that fell behind (a solo round, slower hardware, a restart) meets the others again
     instead of waiting alone in an old round. Only the label moves: no inner steps are skipped.
     NoLoCo only (DiLoCo re-fetches phi and the round after a missed round). Turn it off only to
