@@ -25,6 +25,11 @@ reports it (`suspended`, `missing_stages`, and `vacancy`: the stage a replacemen
 and the running nodes keep their state instead of timing out. When a replacement publishes its
 card the membership changes and the next plan resumes the run (`schedule_resumed`); the surviving
 nodes abort the interrupted iteration on that epoch (pipeline/stage_exec.py) and restart it.
+
+Admission and stalls (pipeline/stage_admission.py): a stage node is a member only once it answered
+a stage probe (a forward of a probe microbatch over its tensor stream); when no planned node steps
+for `schedule.stall_s`, every planned node is probed again and those that fail leave the plan for
+good. The replica-integrity audits are pipeline/replica_audits.py; this module quarantines.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
 from pipeline.schedule import Schedule, ScheduleViolation, checkfree_plus_paths, validate_schedule
 from pipeline.search import plan
+from pipeline.stage_admission import StageAdmission
+from pipeline.stage_probe import ProbeSpec
 from pipeline.simulator import iteration_period
 from pipeline.replica_audits import (ReplicaAudits, StageAuditSpec, commit_disagreements, parse_commit,
                                      parse_commits)
@@ -194,9 +201,10 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
     """The bootstrap's schedule service (one per bootstrap node)."""
 
     def __init__(self, ctx: Any, cfg: ScheduleConfig, activation_bytes: int, poll_s: float = 1.0,
-                 audit: StageAuditSpec | None = None):
+                 audit: StageAuditSpec | None = None, probe: ProbeSpec | None = None):
         self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
+        self.admission = None if probe is None else StageAdmission(ctx, probe, cfg.probe_timeout_s, cfg.stall_s)
         self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
                                                                 self._quarantine)
         self.epoch = 0
@@ -231,6 +239,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                     planned_ids = {m[0] for m in self.scheduled}
                     await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
                 members = [m for m in members if m[0] not in self.probe.down and m[0] not in self.quarantined]
+                if self.admission is not None:      # only nodes that answered a stage probe are planned
+                    members = self.admission.admitted(members, loop.time())
                 if self.audits is not None:
                     self.audits.note(views, members, self.scheduled)
             except Exception as exc:  # noqa: BLE001 - the next poll retries
@@ -241,6 +251,12 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self.claims = {v.peer_id: c for v in views if v.card.role == STAGE_ROLE and card_int(v, "stage") is None
                            and v.card.state in ("joining", "ready") and (c := card_int(v, "recovering")) is not None}
             self._check_liveness(members, loop.time())
+            if self.admission is not None and self.suspended_since is None \
+                    and self.admission.stalled(views, self.scheduled, loop.time()):
+                dropped = await self.admission.on_stall(self.scheduled, self.epoch, loop.time())
+                if dropped:
+                    members = [m for m in members if m[0] not in dropped]
+                    self._replan_now.set()
             if members != seen:
                 seen, since = members, loop.time()
             missing = [s for s in range(self.cfg.stages) if not any(m[1] == s for m in members)]
@@ -281,6 +297,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self.suspended_since = None
             self.reported_down.clear()
         self.scheduled = list(members)
+        if self.admission is not None:
+            self.admission.reset(asyncio.get_running_loop().time())
         for st, n in stage_replicas(members, self.cfg.stages).items():
             self.peak[st] = max(self.peak.get(st, 0), n)
         async with self._changed:

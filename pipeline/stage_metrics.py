@@ -92,3 +92,12 @@ AUDITS_BLOCKED = Gauge("swarmnode_pipeline_audits_blocked",
                        registry=REGISTRY)
 for _outcome in ("replays", "fails", "inconclusive", "refused"):
     AUDITS.labels(outcome=_outcome)
+PROBES = Counter("swarmnode_pipeline_probes_total",
+                 "Stage probes the coordinator sent (admission and after a stall), by outcome (passed, failed). "
+                 "Failures on honest nodes mean schedule.probe_timeout_s is too short for their load.", ["outcome"],
+                 registry=REGISTRY)
+STALLS = Counter("swarmnode_pipeline_stalls_total",
+                 "Times no node of the published schedule stepped for schedule.stall_s (the coordinator re-probed "
+                 "them and dropped those that failed).", registry=REGISTRY)
+for _outcome in ("passed", "failed"):
+    PROBES.labels(outcome=_outcome)
