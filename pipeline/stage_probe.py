@@ -1,4 +1,4 @@
-"""The stage probe (docs/pipeline.md, 'Admission probes'): one forward of a small probe microbatch
+"""The stage probe (docs/pipeline.md, 'Admission probes and stalls'): one forward of a small probe microbatch
 over a stage node's real transport, asked by the coordinator before it plans with that node.
 
 Owns both ends of the probe and nothing else:
