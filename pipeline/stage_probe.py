@@ -70,7 +70,7 @@ def check_output(spec: ProbeSpec, x: Tensor, name: str, y: Tensor) -> str | None
     """None when `y` is a plausible forward of probe `x`, else what is wrong with it."""
     want = (1, spec.tokens, spec.d_model)
     if name != "probe_out":
-        return f"answered {name[:40]!r} instead of probe_out (err: {y.numel() if name == 'err' else ''})"
+        return f"answered {name[:40]!r} instead of probe_out"
     if tuple(y.shape) != want or not y.is_floating_point():
         return f"answered a {tuple(y.shape)} {y.dtype} tensor where hidden states {want} (float) were expected"
     if not bool(torch.isfinite(y).all()):
@@ -102,6 +102,8 @@ async def probe_stage(pool: ChannelPool, *, run_id: str, me: str, peer_id: str, 
     finally:
         if stream is not None:
             stream.cancel()
+    if got.name == "err":
+        return f"refused the stage probe: {str(got.meta.get('detail', ''))[:200]}"
     return check_output(spec, x, got.name, got.tensor)
 
 

@@ -63,6 +63,13 @@ async def test_a_real_stage_answers_its_probe(stage):
     assert ps.answered == 2
 
 
+async def test_a_stage_not_built_yet_refuses_and_says_so():
+    ps = ProbeServer(lambda: None, _run, lambda: torch.device("cpu"), contextlib.nullcontext)
+    async with server(ps.on_stream) as probe:
+        why = await probe(1)
+    assert why == "refused the stage probe: not built yet", why
+
+
 async def test_a_health_only_server_fails_the_probe():
     async with server() as probe:
         why = await probe(1)
