@@ -239,7 +239,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                     planned_ids = {m[0] for m in self.scheduled}
                     await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
                 members = [m for m in members if m[0] not in self.probe.down and m[0] not in self.quarantined]
+                pending: dict[str, int] = {}
                 if self.admission is not None:      # only nodes that answered a stage probe are planned
+                    pending = self.admission.claims(members)
                     members = self.admission.admitted(members, loop.time())
                 if self.audits is not None:
                     self.audits.note(views, members, self.scheduled)
@@ -250,6 +252,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self.live = members
             self.claims = {v.peer_id: c for v in views if v.card.role == STAGE_ROLE and card_int(v, "stage") is None
                            and v.card.state in ("joining", "ready") and (c := card_int(v, "recovering")) is not None}
+            self.claims.update(pending)     # a rebuilt stage still being probed is taken
             self._check_liveness(members, loop.time())
             if self.admission is not None and self.suspended_since is None \
                     and self.admission.stalled(views, self.scheduled, loop.time()):

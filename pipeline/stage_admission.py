@@ -62,6 +62,13 @@ class StageAdmission:
             self._tasks[peer] = asyncio.get_running_loop().create_task(self._admit(m), name=f"probe_{peer[:16]}")
         return [m for m in members if m[0] in self.passed and m[0] not in self.dropped]
 
+    def claims(self, members: list[tuple]) -> dict[str, int]:
+        """peer -> stage of members whose first probe has not answered yet: a replacement that just
+        published its rebuilt stage holds that stage, so no second replacement is sent to rebuild it
+        too. A node that failed a probe holds nothing (a fake card cannot block a vacancy)."""
+        return {m[0]: m[1] for m in members
+                if m[0] not in self.passed and m[0] not in self.dropped and m[0] not in self.failed}
+
     async def probe(self, m: tuple) -> str | None:
         return await probe_stage(self.pool, run_id=self.ctx.config.run_id, me=self.ctx.peer_id, peer_id=m[0],
                                  addr=m[2], stage=m[1], spec=self.spec, timeout_s=self.timeout_s)

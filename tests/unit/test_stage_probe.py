@@ -103,3 +103,17 @@ def test_check_output_names_what_is_wrong():
     assert check_output(SPEC, x, "probe_out", x + 1) is None
     assert "instead of probe_out" in check_output(SPEC, x, "err", x)
     assert "(1, 8, 16)" in check_output(SPEC, x, "probe_out", torch.zeros(1, 8, 15))
+
+
+def test_a_stage_being_probed_is_claimed_and_a_failed_one_claims_nothing():
+    """A replacement that just published its rebuilt stage holds it while its first probe runs (no
+    second replacement is sent to the same stage); a node that failed a probe holds nothing."""
+    from types import SimpleNamespace
+
+    from pipeline.stage_admission import StageAdmission
+
+    adm = StageAdmission(SimpleNamespace(), SPEC, 5.0, 0.0)
+    members = [("new", 2, "a:1"), ("ok", 1, "b:1"), ("fake", 3, "c:1")]
+    adm.passed.add("ok")
+    adm.failed["fake"] = {"why": "no answer", "fails": 1, "retry_at": 0.0}
+    assert adm.claims(members) == {"new": 2}
