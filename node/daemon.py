@@ -18,7 +18,7 @@ import signal
 import time
 from typing import Any
 
-from node import metrics
+from node import metrics, ready_details
 from node.card import CARD_NAMESPACE, CardPublisher
 from node.config import ConfigError, NodeConfig, redacted
 from node.eventbus.service import NodeEventBus
@@ -213,7 +213,7 @@ class Node:
         for add_fn, servicer, name in self.role.services():
             self.grpc.add(add_fn, servicer, name)
         self.ops = OpsServer(cfg.host, cfg.ops.port, self.lifecycle, self.health, self.peerinfo,
-                             details=lambda: {"eventbus": self.eventbus.status()})
+                             details=lambda: {"eventbus": self.eventbus.status(), **ready_details.snapshot()})
         self.lifecycle.subscribe(metrics.follow_lifecycle)
         self.lifecycle.subscribe(lambda s, r, d: set_context(state=s.value))
         self.lifecycle.subscribe(self.grpc.on_state)

@@ -96,6 +96,19 @@ class ScheduleConfig(BaseModel):
     or slow links; 0 = never (an edit outside the gradient path on an unreplicated stage goes
     unnoticed)."""
 
+    probe_timeout_s: float = Field(10.0, gt=0)
+    """Seconds a stage node has to answer the coordinator's stage probe (one forward of a probe
+    microbatch over its tensor stream) before it enters a plan, and again after a stall. Raise it
+    when honest nodes show up in `stage_probe_failed` lines with "no answer" (a busy or slow
+    accelerator); a node that fails is retried with backoff and left out of plans meanwhile."""
+
+    stall_s: float = Field(120.0, ge=0)
+    """Seconds without a step by any node of the published schedule (their cards' `iteration`)
+    after which the coordinator treats the pipeline as stalled: it probes every planned node again
+    and drops, for good, those that fail, then re-plans. Keep it above the slowest honest iteration
+    (validation included) and below `stage.iteration_timeout_s`, so the coordinator acts before the
+    nodes give up; 0 turns the watch off."""
+
     settle_s: float = Field(2.0, ge=0)
     """Stage membership must stay unchanged this long before the coordinator re-plans. Raise
     it when nodes join in bursts; each re-plan bumps the epoch."""

@@ -25,6 +25,11 @@ reports it (`suspended`, `missing_stages`, and `vacancy`: the stage a replacemen
 and the running nodes keep their state instead of timing out. When a replacement publishes its
 card the membership changes and the next plan resumes the run (`schedule_resumed`); the surviving
 nodes abort the interrupted iteration on that epoch (pipeline/stage_exec.py) and restart it.
+
+Admission and stalls (pipeline/stage_admission.py): a stage node is a member only once it answered
+a stage probe (a forward of a probe microbatch over its tensor stream); when no planned node steps
+for `schedule.stall_s`, every planned node is probed again and those that fail leave the plan for
+good. The replica-integrity audits are pipeline/replica_audits.py; this module quarantines.
 """
 
 from __future__ import annotations
@@ -32,12 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
-import os
-import random
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -46,17 +46,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node.card import CardView, card_int, read_cards
 from node.netem import LinkSpec, NetemConfig
-from node.state_sync import StateFetchError, fetch_state, split_optimizer
 from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
 from pipeline.schedule import Schedule, ScheduleViolation, checkfree_plus_paths, validate_schedule
 from pipeline.search import plan
+from pipeline.stage_admission import StageAdmission
+from pipeline.stage_probe import ProbeSpec
 from pipeline.simulator import iteration_period
-from pipeline.stage_audit import RESIDUAL_LR, commit_of, replay_residual
+from pipeline.replica_audits import (ReplicaAudits, StageAuditSpec, commit_disagreements, parse_commit,
+                                     parse_commits)
 from pipeline import stage_metrics as M
 from protocol import pipeline_pb2, pipeline_pb2_grpc
-from node.integrity_metrics import count_flags
-from security.stage_integrity import CheckResult, compare_commits
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
 
@@ -197,69 +197,16 @@ def pick_vacancy(replicas: dict[int, int], claimed: set[int] | frozenset = froze
                key=lambda s: (-(peak.get(s, 0) - replicas[s]), replicas[s], s), default=-1)
 
 
-COMMITS_KEPT = 16
-"""Published commits remembered per stage node (card detail `commit` = "<iteration>:<sha256[:16]>")."""
-
-
-@dataclass(frozen=True)
-class StageAuditSpec:
-    """What the coordinator needs to audit a stage replica: `stage_spec(index)` -> (weights spec,
-    optimizer spec, cfg_hash) for fetch_state, and the AdamW hyper-parameters every stage uses."""
-
-    stage_spec: Callable[[int], tuple]
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-
-
-def parse_commit(value: Any) -> tuple[int, str] | None:
-    """`"12:ab34..."` -> (12, "ab34..."); None for anything else (a card detail is untrusted input)."""
-    if not isinstance(value, str) or ":" not in value:
-        return None
-    it, _, sha = value.partition(":")
-    if not it.isdigit() or len(it) > 12 or not (1 <= len(sha) <= 64) or any(c not in "0123456789abcdef" for c in sha):
-        return None
-    return int(it), sha
-
-
-def parse_commits(value: Any) -> list[tuple[int, str]]:
-    """A card's `commit` detail, "<it>:<sha>,<it-1>:<sha>,..." (newest first, at most 8), parsed;
-    malformed entries are skipped."""
-    if not isinstance(value, str):
-        return []
-    return [c for c in (parse_commit(v) for v in value.split(",")[:8]) if c is not None]
-
-
-def commit_disagreements(scheduled: list[tuple], commits: dict[str, dict[int, str]]) -> dict[int, int]:
-    """stage -> the latest iteration at which two of its scheduled nodes published different commits."""
-    out: dict[int, int] = {}
-    by_stage: dict[int, list[str]] = {}
-    for m in scheduled:
-        by_stage.setdefault(m[1], []).append(m[0])
-    for s, peers in by_stage.items():
-        seen: dict[int, set[str]] = {}
-        for p in peers:
-            for it, sha in commits.get(p, {}).items():
-                seen.setdefault(it, set()).add(sha)
-        bad = [it for it, shas in seen.items() if len(shas) > 1]
-        if bad:
-            out[s] = max(bad)
-    return out
-
-
 class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
     """The bootstrap's schedule service (one per bootstrap node)."""
 
     def __init__(self, ctx: Any, cfg: ScheduleConfig, activation_bytes: int, poll_s: float = 1.0,
-                 audit: StageAuditSpec | None = None):
+                 audit: StageAuditSpec | None = None, probe: ProbeSpec | None = None):
         self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
-        self.audit = audit
-        self.commits: dict[str, dict[int, str]] = {}     # stage node -> iteration -> published commit prefix
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
-        self._audits: dict[int, asyncio.Task] = {}       # stage -> its running audit
-        self._audited: dict[int, int] = {}               # stage -> latest disagreeing iteration audited
-        self._solo_rng = random.Random(os.urandom(16))   # when unreplicated stages are audited: unpredictable
-        self._solo_due: dict[int, float] = {}            # unreplicated stage -> loop time of its next audit
+        self.admission = None if probe is None else StageAdmission(ctx, probe, cfg.probe_timeout_s, cfg.stall_s)
+        self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
+                                                                self._quarantine)
         self.epoch = 0
         self.replies: OrderedDict[int, pipeline_pb2.ScheduleReply] = OrderedDict()
         self.waiting_reason = "no stage node has published its card yet"
@@ -292,7 +239,12 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                     planned_ids = {m[0] for m in self.scheduled}
                     await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
                 members = [m for m in members if m[0] not in self.probe.down and m[0] not in self.quarantined]
-                self._note_commits(views, members)
+                pending: dict[str, int] = {}
+                if self.admission is not None:      # only nodes that answered a stage probe are planned
+                    pending = self.admission.claims(members)
+                    members = self.admission.admitted(members, loop.time())
+                if self.audits is not None:
+                    self.audits.note(views, members, self.scheduled)
             except Exception as exc:  # noqa: BLE001 - the next poll retries
                 log.debug("reading cards failed: %r", exc)
                 await asyncio.sleep(self.poll_s)
@@ -300,7 +252,14 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self.live = members
             self.claims = {v.peer_id: c for v in views if v.card.role == STAGE_ROLE and card_int(v, "stage") is None
                            and v.card.state in ("joining", "ready") and (c := card_int(v, "recovering")) is not None}
+            self.claims.update(pending)     # a rebuilt stage still being probed is taken
             self._check_liveness(members, loop.time())
+            if self.admission is not None and self.suspended_since is None \
+                    and self.admission.stalled(views, self.scheduled, loop.time()):
+                dropped = await self.admission.on_stall(self.scheduled, self.epoch, loop.time())
+                if dropped:
+                    members = [m for m in members if m[0] not in dropped]
+                    self._replan_now.set()
             if members != seen:
                 seen, since = members, loop.time()
             missing = [s for s in range(self.cfg.stages) if not any(m[1] == s for m in members)]
@@ -341,6 +300,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self.suspended_since = None
             self.reported_down.clear()
         self.scheduled = list(members)
+        if self.admission is not None:
+            self.admission.reset(asyncio.get_running_loop().time())
         for st, n in stage_replicas(members, self.cfg.stages).items():
             self.peak[st] = max(self.peak.get(st, 0), n)
         async with self._changed:
@@ -358,123 +319,14 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                         "cost_model": {"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
                                        "latency": cluster.latency, "grad_s": cluster.grad_s}})
 
-    # ------------------------------------------------------------------ replica integrity (docs/pipeline.md, 'Quarantine and audits')
-    def _note_commits(self, views: list[CardView], members: list[tuple]) -> None:
-        """Remember every scheduled node's published commit; a stage whose replicas disagree is audited."""
-        if self.audit is None:
-            return
-        live = {m[0] for m in members}
-        for v in views:
-            if v.peer_id not in live:
-                continue
-            hist = self.commits.setdefault(v.peer_id, {})
-            for it, sha in parse_commits(v.card.details.get("commit")):
-                hist.setdefault(it, sha)
-            if hist:
-                for old in sorted(hist)[:-COMMITS_KEPT]:
-                    del hist[old]
-        scheduled = [m for m in self.scheduled if m[0] in live]
-        for stage, it in commit_disagreements(scheduled, self.commits).items():
-            task = self._audits.get(stage)
-            if (task is None or task.done()) and it > self._audited.get(stage, -1):
-                self._audited[stage] = it
-                peers = [m for m in scheduled if m[1] == stage]
-                self._audits[stage] = asyncio.get_running_loop().create_task(self._audit_stage(stage, it, peers),
-                                                                            name=f"audit_stage{stage}")
-        self._audit_unreplicated(scheduled)
-
-    def _audit_unreplicated(self, scheduled: list[tuple]) -> None:
-        """A transformer stage with one node has no replica to disagree with: audit it at random
-        times, `solo_audit_every_s` apart on average (stage 0, data and embedding, is not rebuilt
-        live, so it is not audited here)."""
-        every = self.cfg.solo_audit_every_s
-        if every <= 0:
-            return
-        now = asyncio.get_running_loop().time()
-        for stage, n in stage_replicas(scheduled, self.cfg.stages).items():
-            if n != 1 or stage == 0:
-                self._solo_due.pop(stage, None)
-                continue
-            due = self._solo_due.setdefault(stage, now + self._solo_rng.expovariate(1.0 / every))
-            task = self._audits.get(stage)
-            if now < due or (task is not None and not task.done()):
-                continue
-            self._solo_due[stage] = now + self._solo_rng.expovariate(1.0 / every)
-            peers = [m for m in scheduled if m[1] == stage]
-            it = max(self.commits.get(peers[0][0], {}) or [-1])
-            self._audits[stage] = asyncio.get_running_loop().create_task(
-                self._audit_stage(stage, it, peers, solo=True), name=f"audit_stage{stage}")
-
-    async def _audit_stage(self, stage: int, it: int, peers: list[tuple], solo: bool = False) -> None:
-        """Replay each replica's last step from its own served states (pipeline/stage_audit.py);
-        quarantine those that do not replay, as long as one replica of the stage does (`solo`: the
-        stage's only node, audited at random; a failure quarantines it and the stage is rebuilt by
-        CheckFree from its neighbours)."""
-        if solo:
-            log.info("stage %d has one node: auditing its step (random sample)", stage,
-                     extra={"event": "solo_audit", "stage": stage, "iteration": it, "peers": [m[0] for m in peers]})
-        else:
-            log.warning("stage %d replicas published different weight commits at iteration %d: auditing %d replicas",
-                        stage, it, len(peers), extra={"event": "replica_commit_mismatch", "stage": stage,
-                                                      "iteration": it, "peers": [m[0] for m in peers]})
-        verdicts = {}
-        for m in peers:
-            try:
-                verdicts[m[0]] = await self._audit_one(stage, m)
-            except (StateFetchError, KeyError, ValueError) as exc:
-                log.info("audit of %s (stage %d) inconclusive: %s", m[0][:16], stage, exc)
-                verdicts[m[0]] = None
-        passed = [p for p, v in verdicts.items() if v is not None and v[0]]
-        failed = {p: v for p, v in verdicts.items() if v is not None and not v[0]}
-        log.info("stage %d audit: %d replay, %d do not, %d inconclusive", stage, len(passed), len(failed),
-                 len(verdicts) - len(passed) - len(failed),
-                 extra={"event": "replica_audit", "stage": stage, "iteration": it, "passed": passed,
-                        "failed": {p: v[1] for p, v in failed.items()}})
-        if solo:
-            for peer, (_, why, t) in failed.items():
-                result = CheckResult("update_drift", peer, t)
-                result.flag(f"its step {t} does not replay from its own served states: {why}")
-                count_flags([result])
-                self._quarantine(peer, stage, f"solo_audit@{t}: {why}")
-            return
-        if not passed or not failed:
-            return                      # nothing attributable: look again when they disagree at a later iteration
-        good = self.commits.get(passed[0], {}).get(it, "")
-        for peer, (_, why, t) in failed.items():
-            count_flags([compare_commits(peer, t, good, self.commits.get(peer, {}).get(it, "?"))])
-            self._quarantine(peer, stage, f"replica_commit@{t}: {why}")
-
-    async def _audit_one(self, stage: int, m: tuple) -> tuple[bool, str, int]:
-        """(replays, why, iteration) for one replica."""
-        weights_spec, opt_spec, cfg_hash = self.audit.stage_spec(stage)
-        fetch = lambda it: fetch_state(m[2], self.ctx.config.run_id, self.ctx.peer_id, cfg_hash,  # noqa: E731
-                                       weights_spec, optimizer=opt_spec if it == 0 else None, stage=stage,
-                                       iteration=it, timeout=20, peer_id=m[0])
-        meta, tensors = await fetch(0)
-        t = int(meta.get("iteration", "0"))
-        after, opt = split_optimizer(tensors)
-        lr = float(meta.get("lr", "nan"))
-        if t < 1 or not math.isfinite(lr) or lr <= 0:
-            raise ValueError(f"nothing to replay yet (iteration {t}, lr {lr})")
-        meta0, before = await fetch(t - 1)
-        if int(meta0.get("iteration", "-1")) != t - 1:
-            raise ValueError(f"its state of iteration {t - 1} is no longer kept (it serves {meta0.get('iteration')})")
-        published = self.commits.get(m[0], {})
-        for i, w in ((t, after), (t - 1, before)):
-            sha = commit_of(w)
-            if i in published and not sha.startswith(published[i]):
-                return False, f"served weights of iteration {i} ({sha[:12]}) differ from its published commit", t
-        res, tensor = await asyncio.to_thread(replay_residual, before, after, opt, lr, self.audit.betas,
-                                              self.audit.eps, self.audit.weight_decay)
-        if not res <= RESIDUAL_LR:
-            return False, f"step {t} does not replay: {tensor} off by {res:.3g} lr (limit {RESIDUAL_LR})", t
-        return True, f"step {t} replays ({res:.2g} lr)", t
-
+    # ------------------------------------------------------------------ replica integrity (pipeline/replica_audits.py)
     def _quarantine(self, peer: str, stage: int, why: str) -> None:
         """Leave `peer` out of every later plan (the next poll re-plans, SkipPipe's path) and say why."""
         if peer in self.quarantined:
             return
         self.quarantined[peer] = why
+        if self.audits is not None:
+            self.audits.forget(peer)
         M.QUARANTINED.set(len(self.quarantined))
         self.ctx.card.update(publish=True, quarantined=";".join(f"{p[-8:]}={w[:80]}" for p, w in self.quarantined.items()))
         log.warning("quarantined stage %d replica %s: %s; re-planning without it", stage, peer[:16], why,

@@ -79,3 +79,25 @@ EMBED_COPY_ITERATION = Gauge("swarmnode_checkfree_embed_copy_iteration",
                              "Stage 1: the iteration of the copy of stage 0 (embedding, head) this node keeps "
                              "for a stage-0 rebuild (-1: none yet).", registry=REGISTRY)
 EMBED_COPY_ITERATION.set(-1)
+
+# Coordinator (bootstrap): the integrity audits (pipeline/replica_audits.py) and admission probes
+# (pipeline/stage_probe.py) of the stage nodes it plans over.
+AUDITS = Counter("swarmnode_pipeline_audits_total",
+                 "Replica audits by outcome: replays (honest step), fails (quarantined), inconclusive (raced "
+                 "on, timed out), refused (the audited node refused the coordinator's download).", ["outcome"],
+                 registry=REGISTRY)
+AUDITS_BLOCKED = Gauge("swarmnode_pipeline_audits_blocked",
+                       "Stage nodes whose integrity audit cannot run (refused, or inconclusive several times in a "
+                       "row): their replicas go unchecked; the coordinator's audit_blocked log line says why.",
+                       registry=REGISTRY)
+for _outcome in ("replays", "fails", "inconclusive", "refused"):
+    AUDITS.labels(outcome=_outcome)
+PROBES = Counter("swarmnode_pipeline_probes_total",
+                 "Stage probes the coordinator sent (admission and after a stall), by outcome (passed, failed). "
+                 "Failures on honest nodes mean schedule.probe_timeout_s is too short for their load.", ["outcome"],
+                 registry=REGISTRY)
+STALLS = Counter("swarmnode_pipeline_stalls_total",
+                 "Times no node of the published schedule stepped for schedule.stall_s (the coordinator re-probed "
+                 "them and dropped those that failed).", registry=REGISTRY)
+for _outcome in ("passed", "failed"):
+    PROBES.labels(outcome=_outcome)

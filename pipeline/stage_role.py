@@ -70,6 +70,7 @@ from pipeline.schedule import Schedule
 from pipeline.stage_exec import Aborted, BadInput, EvalResult, OriginDone, StageExecutor, StepResult
 from pipeline.stage_parts import (CHECKPOINT_FORMAT, StageParts, StageSettings, activation_bytes, build_module,
                                   build_parts, cfg_hash_of, stage_cfg_hash)
+from pipeline.stage_probe import PROBE_CHANNEL, ProbeServer, ProbeSpec
 from pipeline.stage_progress import StageCard, StageProgress
 from pipeline.stage_timing import measure_forward_s
 from pipeline.stage_transport import StageTransport
@@ -129,8 +130,10 @@ class StageRole(TrainingRole):
 
         o = s.stage.optim
         audit = StageAuditSpec(stage_spec, tuple(o.betas), o.eps, o.weight_decay)
+        probe = ProbeSpec(s.model.d_model, s.model.vocab_size, s.data.seq_len)
         return [Service(pipeline_pb2_grpc.add_ScheduleServicer_to_server,
-                        ScheduleCoordinator(ctx, s.schedule, activation_bytes(s), audit=audit), "swarmnode.Schedule")]
+                        ScheduleCoordinator(ctx, s.schedule, activation_bytes(s), audit=audit, probe=probe),
+                        "swarmnode.Schedule")]
 
     def __init__(self, ctx, settings: StageSettings):
         super().__init__(ctx, settings)
@@ -146,6 +149,10 @@ class StageRole(TrainingRole):
                                   send_timeout_s=self.cfg.iteration_timeout_s,
                                   on_reject=lambda reason: NM.TENSORS_REJECTED.labels(reason=reason).inc(),
                                   spawn=ctx.supervisor.spawn)
+        # the coordinator's stage probe (pipeline/stage_probe.py) before it plans with this node
+        self.net.service.register(PROBE_CHANNEL, ProbeServer(
+            lambda: None if self.ex is None else self.ex.module, self.compute.run, lambda: self.device,
+            lambda: autocast(self.device, ctx.config.device.precision)).on_stream)
         self.link = CoordinatorLink(ctx, self.net.pool, self._on_schedule)
         self.embed = EmbedCopy(ctx, stage_recovery(ctx, settings, self.compute, self.link.status),
                                self.cfg.checkfree.embed_copy_every, self.update_card)
@@ -263,7 +270,7 @@ class StageRole(TrainingRole):
         await self.link.have_schedule.wait()
         await self._settle()
         self.stats.touch()
-        self._spawn("stage_watchdog", self._watchdog)
+        self._tasks.append(self.ctx.supervisor.spawn("stage_watchdog", self._watchdog, restart=False))  # fails: exit 1
         await self.ctx.set_role_ready(True, "ready", "")
         M.SCHEDULE_EPOCH.set(self.ex.epoch)
         if self.ex.is_origin(self.ex.schedules[self.ex.epoch]):
@@ -491,6 +498,11 @@ class StageRole(TrainingRole):
             await self._start_iteration()
 
     async def _watchdog(self) -> None:
+        """No step for `stage.iteration_timeout_s`: a suspended schedule waits; else the node waits
+        once for a new plan (the coordinator drops a node that stalls its plan and re-plans,
+        `schedule.stall_s`); when none came, or the coordinator does not answer, it gives up and
+        exits 1 (`pipeline_stuck` says which): a stuck pipeline is a failure, never a clean exit."""
+        waited_on: int | None = None          # the schedule epoch this node already waited past once
         while not self.stopping:
             await asyncio.sleep(min(5.0, self.cfg.iteration_timeout_s / 4))
             if time.monotonic() - self.stats.last_step <= self.cfg.iteration_timeout_s or self.stopping:
@@ -507,10 +519,26 @@ class StageRole(TrainingRole):
                      missing=list(st.missing_stages))
                 self.stats.touch()
                 continue
-            emit(self.log, "pipeline_stuck", "iteration {iteration} made no progress for {timeout_s:.0f} s; "
-                 "waiting for: {waiting_for}", level=logging.ERROR, iteration=self.ex.iteration,
-                 timeout_s=self.cfg.iteration_timeout_s, waiting_for=self.ex.waiting_for())
-            self._fail("stuck")
+            wait = st is not None and waited_on != self.ex.latest_epoch
+            emit(self.log, "pipeline_stuck", "iteration {iteration} made no progress for {timeout_s:.0f} s; waiting "
+                 "for: {waiting_for}; {action_text}", level=logging.WARNING if wait else logging.ERROR,
+                 iteration=self.ex.iteration, timeout_s=self.cfg.iteration_timeout_s,
+                 waiting_for=self.ex.waiting_for(), epoch=self.ex.latest_epoch,
+                 action="wait_for_plan" if wait else "exit", exit_code=None if wait else 1,
+                 action_text=("waiting one more timeout for the coordinator to drop the stalling node and re-plan"
+                              if wait else "no new plan came" if st is not None else "the coordinator does not "
+                              "answer" ) + ("" if wait else "; giving up (exit 1)"))
+            if wait:
+                waited_on = self.ex.latest_epoch
+                self.stats.touch()
+                continue
+            self.stop()
+            raise PipelineStuck(f"pipeline stuck at iteration {self.ex.iteration} (epoch {self.ex.latest_epoch}); "
+                                "see the pipeline_stuck line above")
+
+
+class PipelineStuck(RuntimeError):
+    """The stage watchdog gave up on a stuck pipeline: the node exits 1 (its supervised task fails)."""
 
 
 __all__ = ["CHECKPOINT_FORMAT", "StageCard", "StageRole", "StageSettings", "activation_bytes", "stage_cfg_hash"]

@@ -161,10 +161,15 @@ def token_check(*, coordinator_peer_id: str, run_id: str, role: str | None = Non
                 revoked_serials: Callable[[], Iterable[int]] = tuple,
                 clock: Callable[[], float] = time.time) -> Callable[[str, bytes | None], AdmissionToken]:
     """A ``check_token`` for ``security.peer_auth.PeerAuthenticator`` in token mode: the call's
-    ``x-swarmnode-token-bin`` must admit the verified caller to ``run_id``."""
+    ``x-swarmnode-token-bin`` must admit the verified caller to ``run_id``. The coordinator's own
+    key needs no token (it signs them; the DHT validator exempts its records the same way): its
+    calls, e.g. the stage-integrity audits' state downloads, pass on its signature, which the
+    authenticator verifies after this check."""
     public_key_of(coordinator_peer_id)
 
-    def check(peer_id: str, blob: bytes | None) -> AdmissionToken:
+    def check(peer_id: str, blob: bytes | None) -> AdmissionToken | None:
+        if peer_id == coordinator_peer_id:
+            return None
         if blob is None:
             raise AdmissionRejected("no admission token (x-swarmnode-token-bin); this run is in token mode: ask "
                                     "the coordinator for one (`swarmnode admit`)", "missing")

@@ -20,9 +20,13 @@ import json
 import math
 import time
 
+from pathlib import Path
+
 import pytest
 
 from node.localswarm import LocalSwarm, NodeProc
+from security.admission import encode_b64, issue_token
+from security.keys import generate_key, peer_id_str, write_key_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -50,13 +54,35 @@ def settings(stages: int = 3, iterations: int = ITERATIONS) -> list[str]:
             f"stage.iterations={iterations}", "stage.iteration_timeout_s=40", "card.refresh_s=1", "drain.budget_s=10"]
 
 
-def run(tmp_path, attack: bool) -> dict:
+class Tokens:
+    """Token mode (`security.admission = "token"`): the bootstrap holds the coordinator key (it
+    signs the tokens and needs none itself); every stage node gets a key and a `stage` token."""
+
+    def __init__(self, workdir: Path, run_id: str):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir, self.run_id, self.coord = workdir, run_id, generate_key()
+        write_key_file(workdir / "bootstrap.key", self.coord)   # LocalSwarm starts a node with <name>.key
+        self.common = ["security.admission=token", f"security.coordinator_peer_id={peer_id_str(self.coord)}"]
+
+    def for_node(self, name: str) -> list[str]:
+        key = generate_key()
+        write_key_file(self.workdir / f"{name}.key", key)
+        token = issue_token(self.coord, run_id=self.run_id, peer_id=peer_id_str(key), expires_at=time.time() + 3600,
+                            roles=["stage"])
+        return [f"security.admission_token={encode_b64(token)}"]
+
+
+def run(tmp_path, attack: bool, token: bool = False) -> dict:
     t0 = time.monotonic()
-    with LocalSwarm(run_id="q", common_set=settings(), workdir=tmp_path / ("attack" if attack else "honest")) as swarm:
+    workdir = tmp_path / (("token-" if token else "") + ("attack" if attack else "honest"))
+    tokens = Tokens(workdir, "q") if token else None
+    admit = tokens.for_node if tokens else (lambda name: [])
+    with LocalSwarm(run_id="q", common_set=[*settings(), *(tokens.common if tokens else [])],
+                    workdir=workdir) as swarm:
         boot = swarm.start("bootstrap", name="bootstrap")
         swarm.wait_ready([boot], timeout=60)
         nodes = [swarm.start("stage", name=f"s{s}-{i}", extra_set=[
-            f"stage.index={s}", f"schedule.expect_nodes={len(LAYOUT)}",
+            f"stage.index={s}", f"schedule.expect_nodes={len(LAYOUT)}", *admit(f"s{s}-{i}"),
             *([f"stage.attack_weight_edit={EDIT}"] if attack and i == ATTACKER else [])])
             for i, s in enumerate(LAYOUT)]
         deadline = time.monotonic() + DEADLINE_S
@@ -64,7 +90,7 @@ def run(tmp_path, attack: bool) -> dict:
         replacement = None
         if attack:           # a hot spare refills the quarantined slot by copying the honest replica
             replacement = swarm.start("stage", name="replacement", extra_set=[
-                "stage.checkfree.recover=true", "stage.checkfree.standby=true",
+                "stage.checkfree.recover=true", "stage.checkfree.standby=true", *admit("replacement"),
                 f"stage.checkfree.standby_refill_s={REFILL_S}"])
             honest.append(replacement)
         boot_metrics: dict = {}
@@ -72,10 +98,12 @@ def run(tmp_path, attack: bool) -> dict:
             rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
             assert rc == 0, f"{n.name} exited with {rc}: {n.log_text()[-3000:]}\n{boot.log_text()[-3000:]}"
         boot_metrics = boot.metrics() or {}
+        boot_ready = boot.readyz() or {}
         wall = time.monotonic() - t0
     final = max((e for n in nodes[:2] for e in events(n, "pipeline_eval")), key=lambda e: e["iteration"])
     return {"boot": boot, "nodes": nodes, "metrics": boot_metrics, "wall": wall, "eval_loss": final["eval_loss"],
-            "final_iteration": final["iteration"], "replacement": replacement}
+            "final_iteration": final["iteration"], "replacement": replacement,
+            "ready": boot_ready}
 
 
 def test_malicious_middle_replica_is_quarantined_and_training_matches_an_honest_run(tmp_path):
@@ -116,6 +144,34 @@ def test_malicious_middle_replica_is_quarantined_and_training_matches_an_honest_
           f"wall {honest['wall']:.0f} s honest, {attacked['wall']:.0f} s attacked; replacement joined at "
           f"iteration {rec[0]['iteration']} and stepped {len(mine)} in lockstep with its donor")
     assert math.isfinite(loss) and abs(loss - ref) <= LOSS_BOUND * ref, (loss, ref)
+
+
+def test_token_mode_audits_run_and_quarantine_the_malicious_replica(tmp_path):
+    """Issue 33, finding 2: in token mode the coordinator's own audit downloads used to be refused
+    ("admission refused: no admission token"), so every audit ended inconclusive and the attacker
+    was never flagged. The coordinator's key is its credential: its audits run, attribute the
+    deviation to the attacker alone and quarantine it, as in open mode; no audit is refused."""
+    attacked = run(tmp_path, attack=True, token=True)
+    boot, nodes = attacked["boot"], attacked["nodes"]
+    bad, good = nodes[ATTACKER], nodes[ATTACKER - 1]
+    assert events(bad, "stage_attack"), "the harness did not turn on"
+    blocked = events(boot, "audit_blocked")
+    assert not blocked, blocked[:2]
+    audits = events(boot, "replica_audit")
+    assert all(set(a["failed"]) <= {bad.peer_id} for a in audits), audits
+    decisive = [a for a in audits if a["failed"] and a["passed"]]
+    assert decisive and decisive[0]["passed"] == [good.peer_id], audits
+    q = events(boot, "replica_quarantined")
+    assert [e["peer"] for e in q] == [bad.peer_id] and q[0]["stage"] == 1, q
+    m = attacked["metrics"]
+    assert m.get('swarmnode_security_flags_total{check="replica_commit"}') == 1, m
+    assert m.get("swarmnode_pipeline_quarantined_replicas") == 1, m
+    assert m.get('swarmnode_pipeline_audits_total{outcome="refused"}') == 0, m
+    assert m.get("swarmnode_pipeline_audits_blocked") == 0, m
+    assert attacked["ready"]["details"]["stage_audits"] == {"blocked": {}}, attacked["ready"]
+    assert attacked["final_iteration"] == ITERATIONS and math.isfinite(attacked["eval_loss"])
+    outcomes = {o: m.get(f'swarmnode_pipeline_audits_total{{outcome="{o}"}}') for o in ("replays", "fails", "inconclusive")}
+    print(f"\ntoken mode: quarantined at {q[0]['why'][:40]}; audit outcomes {outcomes}; wall {attacked['wall']:.0f} s")
 
 
 def test_an_unreplicated_malicious_stage_is_audited_quarantined_and_rebuilt_from_its_neighbours(tmp_path):

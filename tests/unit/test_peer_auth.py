@@ -203,3 +203,19 @@ def test_token_mode_with_admission_tokens(env):
     clock.t += 601
     f = _fail(auth, CallSigner(key, RUN, clock=clock, token=token).sign_request(METHOD, target, b""), b"")
     assert f.reason == "token" and "expired" in f.message
+
+
+def test_token_mode_admits_the_coordinators_own_signed_calls(env):
+    """The coordinator holds no token (it signs them): its own calls, e.g. the stage audits' state
+    downloads, pass on its signature; a forger claiming its peer ID still fails the signature."""
+    from security.admission import token_check
+
+    clock, _, _, target = env
+    coord = generate_key()
+    auth = PeerAuthenticator(run_id=RUN, own_peer_id=target, clock=clock,
+                             check_token=token_check(coordinator_peer_id=peer_id_str(coord), run_id=RUN, clock=clock))
+    signer = CallSigner(coord, RUN, clock=clock)
+    assert auth.verify_call(METHOD, signer.sign_request(METHOD, target, b""), b"") == peer_id_str(coord)
+    forged = [(k, peer_id_str(coord)) if k == HDR_PEER else (k, v)
+              for k, v in CallSigner(generate_key(), RUN, clock=clock).sign_request(METHOD, target, b"")]
+    assert _fail(auth, forged, b"").reason == "signature"

@@ -69,3 +69,46 @@ def test_status_names_quarantined_nodes_and_why():
     text = format_table(rows)
     assert "AAAA12345678…: QUARANTINED by the schedule coordinator: replica_commit@7" in text
     assert "BBBB87654321…: QUARANTINED" not in text
+
+
+async def test_an_audit_that_cannot_run_raises_the_alert_and_a_later_run_clears_it(monkeypatch, caplog):
+    """Issue 33, finding 2: a refused download is an alert at once (metric, `audit_blocked` event,
+    the coordinator's /readyz detail), a replica inconclusive INCONCLUSIVE_ALERT_AFTER times in a
+    row too; an audit that runs again clears it."""
+    import logging
+    from types import SimpleNamespace
+
+    from node import ready_details
+    from node.state_sync import StateFetchError
+    from pipeline import stage_metrics as M
+    from pipeline.replica_audits import INCONCLUSIVE_ALERT_AFTER, ReplicaAudits, StageAuditSpec
+
+    ctx = SimpleNamespace(config=SimpleNamespace(run_id="r"), peer_id="coord")
+    audits = ReplicaAudits(ctx, StageAuditSpec(lambda i: ((), (), ""), (0.9, 0.999), 1e-8, 0.0), 0.0, 3,
+                           lambda peer, stage, why: None)
+    answers: dict[str, Exception | tuple] = {}
+
+    async def audit_one(stage, m):
+        a = answers[m[0]]
+        if isinstance(a, Exception):
+            raise a
+        return a
+    monkeypatch.setattr(audits, "audit_one", audit_one)
+    peers = [("A", 1, "a:1"), ("B", 1, "b:1")]
+    answers["A"] = StateFetchError("state download from a:1 refused: PERMISSION_DENIED: admission refused: no token")
+    answers["B"] = ValueError("its state of iteration 4 is no longer kept")
+    with caplog.at_level(logging.INFO, logger="swarmnode.pipeline.coordinator"):
+        await audits.audit_stage(1, 5, peers)
+        blocked = [r._fields for r in caplog.records if getattr(r, "event", None) == "audit_blocked"]
+        assert [(b["peer"], b["refused"]) for b in blocked] == [("A", True)]
+        assert "security.coordinator_peer_id" in blocked[0]["hint"]
+        assert M.AUDITS_BLOCKED._value.get() == 1
+        assert set(ready_details.snapshot()["stage_audits"]["blocked"]) == {"A"}
+        for _ in range(INCONCLUSIVE_ALERT_AFTER - 1):          # B raced on: alert only when it keeps happening
+            await audits.audit_stage(1, 5, peers)
+    assert set(audits.blocked) == {"A", "B"} and M.AUDITS_BLOCKED._value.get() == 2
+    answers["A"] = (True, "step 5 replays", 5)
+    await audits.audit_stage(1, 6, peers)
+    assert set(ready_details.snapshot()["stage_audits"]["blocked"]) == {"B"} and M.AUDITS_BLOCKED._value.get() == 1
+    audits.forget("B")
+    assert ready_details.snapshot()["stage_audits"]["blocked"] == {} and M.AUDITS_BLOCKED._value.get() == 0

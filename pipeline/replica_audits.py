@@ -1,0 +1,271 @@
+"""The coordinator's replica-integrity audits (docs/pipeline.md, 'Quarantine and audits').
+
+Owns the weight commits the coordinator has seen on the scheduled stage nodes' cards, the audits
+it starts (a stage whose replicas published different commits; an unreplicated stage at random
+times), their verdicts, and the alert raised when an audit cannot run. The replay itself is pure
+(pipeline/stage_audit.py); the state downloads are node/state_sync.py's `fetch_state`, signed with
+this node's key like every outgoing call (in token mode the coordinator's own key is its
+credential: security/admission.py `token_check`). Quarantining a replica and re-planning without it
+stay with pipeline/coordinator.py, which passes `quarantine(peer, stage, why)` in.
+
+An audit that cannot run is never silent: the audited node refused the download (its answer names
+the gRPC status) or the audit of one replica stayed inconclusive `INCONCLUSIVE_ALERT_AFTER` times
+in a row. Then the `audit_blocked` event says why and what to check, the
+`swarmnode_pipeline_audits_blocked` gauge counts the replicas in that state,
+`swarmnode_pipeline_audits_total{outcome}` counts every verdict, and the coordinator's `/readyz`
+lists them under `details.stage_audits`. A later audit of the replica that runs clears its alert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from node import ready_details
+from node.card import CardView
+from node.integrity_metrics import count_flags
+from node.logs import emit
+from node.state_sync import StateFetchError, fetch_state, split_optimizer
+from pipeline import stage_metrics as M
+from pipeline.stage_audit import RESIDUAL_LR, commit_of, replay_residual
+from security.stage_integrity import CheckResult, compare_commits
+
+log = logging.getLogger("swarmnode.pipeline.coordinator")
+
+COMMITS_KEPT = 16
+"""Published commits remembered per stage node (card detail `commit` = "<iteration>:<sha256[:16]>")."""
+INCONCLUSIVE_ALERT_AFTER = 3
+"""Consecutive inconclusive audits of one replica (its state raced on, a timeout) that raise the
+alert; a refused download raises it at once."""
+REFUSED = ("PERMISSION_DENIED", "UNAUTHENTICATED")
+"""Statuses of a download refused by the audited node's call guard (not a race: the audit cannot run)."""
+
+
+@dataclass(frozen=True)
+class StageAuditSpec:
+    """What the coordinator needs to audit a stage replica: `stage_spec(index)` -> (weights spec,
+    optimizer spec, cfg_hash) for fetch_state, and the AdamW hyper-parameters every stage uses."""
+
+    stage_spec: Callable[[int], tuple]
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+def parse_commit(value: Any) -> tuple[int, str] | None:
+    """`"12:ab34..."` -> (12, "ab34..."); None for anything else (a card detail is untrusted input)."""
+    if not isinstance(value, str) or ":" not in value:
+        return None
+    it, _, sha = value.partition(":")
+    if not it.isdigit() or len(it) > 12 or not (1 <= len(sha) <= 64) or any(c not in "0123456789abcdef" for c in sha):
+        return None
+    return int(it), sha
+
+
+def parse_commits(value: Any) -> list[tuple[int, str]]:
+    """A card's `commit` detail, "<it>:<sha>,<it-1>:<sha>,..." (newest first, at most 8), parsed;
+    malformed entries are skipped."""
+    if not isinstance(value, str):
+        return []
+    return [c for c in (parse_commit(v) for v in value.split(",")[:8]) if c is not None]
+
+
+def commit_disagreements(scheduled: list[tuple], commits: dict[str, dict[int, str]]) -> dict[int, int]:
+    """stage -> the latest iteration at which two of its scheduled nodes published different commits."""
+    out: dict[int, int] = {}
+    by_stage: dict[int, list[str]] = {}
+    for m in scheduled:
+        by_stage.setdefault(m[1], []).append(m[0])
+    for s, peers in by_stage.items():
+        seen: dict[int, set[str]] = {}
+        for p in peers:
+            for it, sha in commits.get(p, {}).items():
+                seen.setdefault(it, set()).add(sha)
+        bad = [it for it, shas in seen.items() if len(shas) > 1]
+        if bad:
+            out[s] = max(bad)
+    return out
+
+
+def refused(exc: Exception) -> bool:
+    """Did the audited node's call guard refuse the download (the audit cannot run at all)?"""
+    return isinstance(exc, StateFetchError) and any(code in str(exc) for code in REFUSED)
+
+
+class ReplicaAudits:
+    """The audits of one coordinator. `note(views, members, scheduled)` every poll."""
+
+    def __init__(self, ctx: Any, spec: StageAuditSpec, solo_audit_every_s: float, stages: int,
+                 quarantine: Callable[[str, int, str], None]):
+        self.ctx, self.spec, self.solo_every, self.stages = ctx, spec, solo_audit_every_s, stages
+        self.quarantine = quarantine
+        self.commits: dict[str, dict[int, str]] = {}     # stage node -> iteration -> published commit prefix
+        self._tasks: dict[int, asyncio.Task] = {}        # stage -> its running audit
+        self._audited: dict[int, int] = {}               # stage -> latest disagreeing iteration audited
+        self._solo_rng = random.Random(os.urandom(16))   # when unreplicated stages are audited: unpredictable
+        self._solo_due: dict[int, float] = {}            # unreplicated stage -> loop time of its next audit
+        self._inconclusive: dict[str, int] = {}          # peer -> consecutive inconclusive audits
+        self.blocked: dict[str, dict] = {}               # peer -> the alert (stage, why, since)
+        self._detail: dict = {"blocked": {}}             # /readyz, replaced whole (read on the ops thread)
+        ready_details.provide("stage_audits", lambda: self._detail)
+
+    def note(self, views: list[CardView], members: list[tuple], scheduled: list[tuple]) -> None:
+        """Remember every live node's published commit; audit a stage whose replicas disagree, and
+        unreplicated stages at random."""
+        live = {m[0] for m in members}
+        for v in views:
+            if v.peer_id not in live:
+                continue
+            hist = self.commits.setdefault(v.peer_id, {})
+            for it, sha in parse_commits(v.card.details.get("commit")):
+                hist.setdefault(it, sha)
+            if hist:
+                for old in sorted(hist)[:-COMMITS_KEPT]:
+                    del hist[old]
+        scheduled = [m for m in scheduled if m[0] in live]
+        for stage, it in commit_disagreements(scheduled, self.commits).items():
+            task = self._tasks.get(stage)
+            if (task is None or task.done()) and it > self._audited.get(stage, -1):
+                self._audited[stage] = it
+                peers = [m for m in scheduled if m[1] == stage]
+                self._start(stage, self.audit_stage(stage, it, peers))
+        self._audit_unreplicated(scheduled)
+
+    def _start(self, stage: int, coro) -> None:
+        self._tasks[stage] = asyncio.get_running_loop().create_task(coro, name=f"audit_stage{stage}")
+
+    def _audit_unreplicated(self, scheduled: list[tuple]) -> None:
+        """A transformer stage with one node has no replica to disagree with: audit it at random
+        times, `solo_audit_every_s` apart on average (stage 0, data and embedding, is not rebuilt
+        live, so it is not audited here)."""
+        every = self.solo_every
+        if every <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        counts = {s: sum(1 for m in scheduled if m[1] == s) for s in range(self.stages)}
+        for stage, n in counts.items():
+            if n != 1 or stage == 0:
+                self._solo_due.pop(stage, None)
+                continue
+            due = self._solo_due.setdefault(stage, now + self._solo_rng.expovariate(1.0 / every))
+            task = self._tasks.get(stage)
+            if now < due or (task is not None and not task.done()):
+                continue
+            self._solo_due[stage] = now + self._solo_rng.expovariate(1.0 / every)
+            peers = [m for m in scheduled if m[1] == stage]
+            it = max(self.commits.get(peers[0][0], {}) or [-1])
+            self._start(stage, self.audit_stage(stage, it, peers, solo=True))
+
+    async def audit_stage(self, stage: int, it: int, peers: list[tuple], solo: bool = False) -> None:
+        """Replay each replica's last step from its own served states (pipeline/stage_audit.py);
+        quarantine those that do not replay, as long as one replica of the stage does (`solo`: the
+        stage's only node, audited at random; a failure quarantines it and the stage is rebuilt by
+        CheckFree from its neighbours)."""
+        if solo:
+            log.info("stage %d has one node: auditing its step (random sample)", stage,
+                     extra={"event": "solo_audit", "stage": stage, "iteration": it, "peers": [m[0] for m in peers]})
+        else:
+            log.warning("stage %d replicas published different weight commits at iteration %d: auditing %d replicas",
+                        stage, it, len(peers), extra={"event": "replica_commit_mismatch", "stage": stage,
+                                                      "iteration": it, "peers": [m[0] for m in peers]})
+        verdicts: dict[str, tuple | None] = {}
+        for m in peers:
+            try:
+                verdicts[m[0]] = await self.audit_one(stage, m)
+            except (StateFetchError, KeyError, ValueError) as exc:
+                log.info("audit of %s (stage %d) inconclusive: %s", m[0][:16], stage, exc)
+                verdicts[m[0]] = None
+                self._cannot_run(m[0], stage, exc)
+            else:
+                self._ran(m[0], verdicts[m[0]][0])
+        passed = [p for p, v in verdicts.items() if v is not None and v[0]]
+        failed = {p: v for p, v in verdicts.items() if v is not None and not v[0]}
+        log.info("stage %d audit: %d replay, %d do not, %d inconclusive", stage, len(passed), len(failed),
+                 len(verdicts) - len(passed) - len(failed),
+                 extra={"event": "replica_audit", "stage": stage, "iteration": it, "passed": passed,
+                        "failed": {p: v[1] for p, v in failed.items()}})
+        if solo:
+            for peer, (_, why, t) in failed.items():
+                result = CheckResult("update_drift", peer, t)
+                result.flag(f"its step {t} does not replay from its own served states: {why}")
+                count_flags([result])
+                self.quarantine(peer, stage, f"solo_audit@{t}: {why}")
+            return
+        if not passed or not failed:
+            return                      # nothing attributable: look again when they disagree at a later iteration
+        good = self.commits.get(passed[0], {}).get(it, "")
+        for peer, (_, why, t) in failed.items():
+            count_flags([compare_commits(peer, t, good, self.commits.get(peer, {}).get(it, "?"))])
+            self.quarantine(peer, stage, f"replica_commit@{t}: {why}")
+
+    async def audit_one(self, stage: int, m: tuple) -> tuple[bool, str, int]:
+        """(replays, why, iteration) for one replica."""
+        weights_spec, opt_spec, cfg_hash = self.spec.stage_spec(stage)
+        fetch = lambda it: fetch_state(m[2], self.ctx.config.run_id, self.ctx.peer_id, cfg_hash,  # noqa: E731
+                                       weights_spec, optimizer=opt_spec if it == 0 else None, stage=stage,
+                                       iteration=it, timeout=20, peer_id=m[0])
+        meta, tensors = await fetch(0)
+        t = int(meta.get("iteration", "0"))
+        after, opt = split_optimizer(tensors)
+        lr = float(meta.get("lr", "nan"))
+        if t < 1 or not math.isfinite(lr) or lr <= 0:
+            raise ValueError(f"nothing to replay yet (iteration {t}, lr {lr})")
+        meta0, before = await fetch(t - 1)
+        if int(meta0.get("iteration", "-1")) != t - 1:
+            raise ValueError(f"its state of iteration {t - 1} is no longer kept (it serves {meta0.get('iteration')})")
+        published = self.commits.get(m[0], {})
+        for i, w in ((t, after), (t - 1, before)):
+            sha = commit_of(w)
+            if i in published and not sha.startswith(published[i]):
+                return False, f"served weights of iteration {i} ({sha[:12]}) differ from its published commit", t
+        res, tensor = await asyncio.to_thread(replay_residual, before, after, opt, lr, self.spec.betas,
+                                              self.spec.eps, self.spec.weight_decay)
+        if not res <= RESIDUAL_LR:
+            return False, f"step {t} does not replay: {tensor} off by {res:.3g} lr (limit {RESIDUAL_LR})", t
+        return True, f"step {t} replays ({res:.2g} lr)", t
+
+    # ------------------------------------------------------------------ the alert
+    def _ran(self, peer: str, replays: bool) -> None:
+        M.AUDITS.labels(outcome="replays" if replays else "fails").inc()
+        self._inconclusive.pop(peer, None)
+        if self.blocked.pop(peer, None) is not None:
+            emit(log, "audit_unblocked", "audits of {peer} run again", peer=peer)
+            self._publish()
+
+    def _cannot_run(self, peer: str, stage: int, exc: Exception) -> None:
+        is_refused = refused(exc)
+        M.AUDITS.labels(outcome="refused" if is_refused else "inconclusive").inc()
+        n = self._inconclusive[peer] = self._inconclusive.get(peer, 0) + 1
+        if not is_refused and n < INCONCLUSIVE_ALERT_AFTER:
+            return
+        why = str(exc)[:300]
+        first = peer not in self.blocked
+        self.blocked[peer] = {"stage": stage, "why": why, "inconclusive_in_a_row": n}
+        self._publish()
+        if first or n % 10 == 0:
+            emit(log, "audit_blocked", "the integrity audit of stage {stage} node {short} cannot run ({why}): its "
+                 "replicas go unchecked. {hint}", level=logging.ERROR, stage=stage, peer=peer, short=peer[:16],
+                 why=why, refused=is_refused, inconclusive_in_a_row=n,
+                 hint=("Its call guard refuses this coordinator: check that the node's security.coordinator_peer_id "
+                       "names this node's key and that this node runs with that key" if is_refused else
+                       "Its served states race on or time out: check its load and the coordinator's link to it"))
+
+    def _publish(self) -> None:
+        M.AUDITS_BLOCKED.set(len(self.blocked))
+        self._detail = {"blocked": {p[:16]: dict(v) for p, v in self.blocked.items()}}
+
+    def forget(self, peer: str) -> None:
+        """A node that left the schedule for good (quarantined, gone): no alert for it any more."""
+        self._inconclusive.pop(peer, None)
+        if self.blocked.pop(peer, None) is not None:
+            self._publish()
+
+
+__all__ = ["COMMITS_KEPT", "INCONCLUSIVE_ALERT_AFTER", "ReplicaAudits", "StageAuditSpec", "commit_disagreements",
+           "parse_commit", "parse_commits", "refused"]
