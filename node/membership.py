@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from node.logs import emit
 from node.metrics import BOOTSTRAP_ATTEMPTS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -215,17 +216,16 @@ class Membership:
             BOOTSTRAP_ATTEMPTS.labels(outcome="ok" if ok else "failed").inc()
             if ok:
                 self.status.joined = True
-                log.info("joined the swarm", extra={"event": "bootstrap_attempt", "outcome": "ok",
-                                                    "attempt": self.status.attempts, "peers": outcomes})
+                emit(log, "bootstrap_attempt", "joined the swarm", outcome="ok", attempt=self.status.attempts,
+                     peers=outcomes)
                 await on_progress(self.status)
                 return True
             deadline = self.cfg.dht.bootstrap_deadline_s
             if deadline is not None and time.monotonic() - started > deadline:
                 return False
             self.status.next_retry_s = delay * (1 + random.uniform(-0.2, 0.2))
-            log.warning("no initial peer answered: %s", self.status.detail(),
-                        extra={"event": "bootstrap_attempt", "outcome": "failed",
-                               "attempt": self.status.attempts, "peers": outcomes})
+            emit(log, "bootstrap_attempt", "no initial peer answered: {detail}", level=logging.WARNING, detail=self.status.detail(),
+                 outcome="failed", attempt=self.status.attempts, peers=outcomes)
             await on_progress(self.status)
             await asyncio.sleep(self.status.next_retry_s)
             delay = min(self.cfg.dht.retry_max_s, delay * 2)

@@ -45,6 +45,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node.card import CardView, card_int, read_cards
+from node.logs import emit
 from node.netem import LinkSpec, NetemConfig
 from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
@@ -286,8 +287,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                                                      self.activation_bytes, epoch)
         except ScheduleViolation as exc:
             self.waiting_reason = f"planning failed: {exc}"
-            log.error("no schedule for %d stage nodes: %s", len(members), exc,
-                      extra={"event": "schedule_failed", "rule": exc.rule})
+            emit(log, "schedule_failed", "no schedule for {nodes} stage nodes: {error}", level=logging.ERROR, nodes=len(members),
+                 error=str(exc), rule=exc.rule)
             return
         body = sched.to_json()
         reply = pipeline_pb2.ScheduleReply(epoch=epoch, schedule_json=body,
@@ -295,8 +296,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                                            addrs={m[0]: m[2] for m in members})
         if self.suspended_since is not None:
             seconds = asyncio.get_running_loop().time() - self.suspended_since
-            log.info("schedule resumed on epoch %d after %.1f s suspended", epoch, seconds,
-                     extra={"event": "schedule_resumed", "epoch": epoch, "suspended_s": round(seconds, 3)})
+            emit(log, "schedule_resumed", "schedule resumed on epoch {epoch} after {suspended_s:.1f} s suspended",
+                 epoch=epoch, suspended_s=round(seconds, 3))
             self.suspended_since = None
             self.reported_down.clear()
         self.scheduled = list(members)
@@ -310,14 +311,12 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             while len(self.replies) > KEEP_EPOCHS:
                 self.replies.popitem(last=False)
             self._changed.notify_all()
-        log.info("schedule epoch %d: %d nodes, %d paths, predicted makespan %.3f s (%s)", epoch,
-                 len(members), len(sched.paths), sched.expected_makespan, sched.method,
-                 extra={"event": "schedule_published", "epoch": epoch, "nodes": len(members),
-                        "expected_makespan": sched.expected_makespan, "method": sched.method,
-                        "sha256": reply.sha256, "schedule": sched.to_dict(),
-                        "expected_period": iteration_period(cluster, sched.paths, sched.partitions).period,
-                        "cost_model": {"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
-                                       "latency": cluster.latency, "grad_s": cluster.grad_s}})
+        emit(log, "schedule_published", "schedule epoch {epoch}: {nodes} nodes, {paths} paths, predicted makespan "
+             "{expected_makespan:.3f} s ({method})", epoch=epoch, nodes=len(members), paths=len(sched.paths),
+             expected_makespan=sched.expected_makespan, method=sched.method, sha256=reply.sha256,
+             schedule=sched.to_dict(), expected_period=iteration_period(cluster, sched.paths, sched.partitions).period,
+             cost_model={"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
+                         "latency": cluster.latency, "grad_s": cluster.grad_s})
 
     # ------------------------------------------------------------------ replica integrity (pipeline/replica_audits.py)
     def _quarantine(self, peer: str, stage: int, why: str) -> None:
@@ -329,8 +328,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self.audits.forget(peer)
         M.QUARANTINED.set(len(self.quarantined))
         self.ctx.card.update(publish=True, quarantined=";".join(f"{p[-8:]}={w[:80]}" for p, w in self.quarantined.items()))
-        log.warning("quarantined stage %d replica %s: %s; re-planning without it", stage, peer[:16], why,
-                    extra={"event": "replica_quarantined", "stage": stage, "peer": peer, "why": why})
+        emit(log, "replica_quarantined", "quarantined stage {stage} replica {short}: {why}; re-planning without it",
+             level=logging.WARNING, stage=stage, short=peer[:16], peer=peer, why=why)
         self._replan_now.set()
 
     def _check_liveness(self, members: list[tuple], now: float) -> None:
@@ -340,8 +339,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         replicas = stage_replicas(members, self.cfg.stages)
         if not members:          # every stage node left at once: the run ended (or the coordinator is cut off)
             if self.scheduled:
-                log.info("no stage node of schedule epoch %d is live any more", self.epoch,
-                         extra={"event": "pipeline_gone", "epoch": self.epoch})
+                emit(log, "pipeline_gone", "no stage node of schedule epoch {epoch} is live any more", epoch=self.epoch)
                 self.scheduled = []
             return
         for s in sorted(s for s, n in replicas.items() if n == 0 and s not in self.reported_down):
@@ -353,11 +351,10 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             M.RECOVERY_SECONDS.labels(phase="detect").observe(detect_s)
             M.STAGES_DOWN.inc()
             why = {m[0][:16]: self.probe.down.get(m[0], "card gone or draining") for m in lost}
-            log.warning("stage %d has no live node (%s): schedule epoch %d suspended until a replacement joins "
-                        "(start a `stage` node with stage.checkfree.recover=true)", s, why, self.epoch,
-                        extra={"event": "stage_down", "stage": s, "detect_s": round(detect_s, 3), "lost": why,
-                               "epoch": self.epoch,
-                               "adjacent_lost": sorted(x for x in (s - 1, s + 1) if replicas.get(x) == 0)})
+            emit(log, "stage_down", "stage {stage} has no live node ({lost}): schedule epoch {epoch} suspended until a "
+                 "replacement joins (start a `stage` node with stage.checkfree.recover=true)", level=logging.WARNING, stage=s,
+                 detect_s=round(detect_s, 3), lost=why, epoch=self.epoch,
+                 adjacent_lost=sorted(x for x in (s - 1, s + 1) if replicas.get(x) == 0))
 
     def status(self) -> pipeline_pb2.ScheduleStatus:
         replicas = stage_replicas(self.live, self.cfg.stages)

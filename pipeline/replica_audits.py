@@ -168,12 +168,12 @@ class ReplicaAudits:
         stage's only node, audited at random; a failure quarantines it and the stage is rebuilt by
         CheckFree from its neighbours)."""
         if solo:
-            log.info("stage %d has one node: auditing its step (random sample)", stage,
-                     extra={"event": "solo_audit", "stage": stage, "iteration": it, "peers": [m[0] for m in peers]})
+            emit(log, "solo_audit", "stage {stage} has one node: auditing its step (random sample)", stage=stage,
+                 iteration=it, peers=[m[0] for m in peers])
         else:
-            log.warning("stage %d replicas published different weight commits at iteration %d: auditing %d replicas",
-                        stage, it, len(peers), extra={"event": "replica_commit_mismatch", "stage": stage,
-                                                      "iteration": it, "peers": [m[0] for m in peers]})
+            emit(log, "replica_commit_mismatch", "stage {stage} replicas published different weight commits at "
+                 "iteration {iteration}: auditing {n} replicas", level=logging.WARNING, stage=stage, iteration=it, n=len(peers),
+                 peers=[m[0] for m in peers])
         verdicts: dict[str, tuple | None] = {}
         for m in peers:
             try:
@@ -186,10 +186,10 @@ class ReplicaAudits:
                 self._ran(m[0], verdicts[m[0]][0])
         passed = [p for p, v in verdicts.items() if v is not None and v[0]]
         failed = {p: v for p, v in verdicts.items() if v is not None and not v[0]}
-        log.info("stage %d audit: %d replay, %d do not, %d inconclusive", stage, len(passed), len(failed),
-                 len(verdicts) - len(passed) - len(failed),
-                 extra={"event": "replica_audit", "stage": stage, "iteration": it, "passed": passed,
-                        "failed": {p: v[1] for p, v in failed.items()}})
+        emit(log, "replica_audit", "stage {stage} audit: {n_passed} replay, {n_failed} do not, {n_inconclusive} "
+             "inconclusive", stage=stage, iteration=it, n_passed=len(passed), n_failed=len(failed),
+             n_inconclusive=len(verdicts) - len(passed) - len(failed), passed=passed,
+             failed={p: v[1] for p, v in failed.items()})
         if solo:
             for peer, (_, why, t) in failed.items():
                 result = CheckResult("update_drift", peer, t)

@@ -29,6 +29,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field
 
+from node.logs import emit
 from node.rendezvous import Rendezvous
 from protocol import rollouts_pb2, rollouts_pb2_grpc
 from protocol.grpc_options import channel_options
@@ -230,9 +231,8 @@ class Inbox:
         """Count one refused message from ``sender`` (a strike unless it is a ``quota`` refusal)."""
         self.rejected[reason] += 1
         self.on_reject(reason)
-        log.info("refused rollouts from %s for round %d: %s (%s)", sender, round_, reason, detail,
-                 extra={"event": "grpo_rollout_rejected", "sender": sender, "round": round_,
-                        "reason": reason, "detail": detail[:200]})
+        emit(log, "grpo_rollout_rejected", "refused rollouts from {sender} for round {round}: {reason} ({detail})",
+             sender=sender, round=round_, reason=reason, detail=detail[:200])
         if reason == "quota":
             return
         q = self._strikes[sender]
@@ -242,9 +242,9 @@ class Inbox:
         if len(q) >= self.max_rejections:
             self._banned_until[sender] = round_ + self.window
             q.clear()
-            log.warning("ignoring %s for %d rounds: %d refused rollout messages", sender, self.window,
-                        self.max_rejections, extra={"event": "grpo_sender_ignored", "sender": sender,
-                                                    "until_round": round_ + self.window})
+            emit(log, "grpo_sender_ignored", "ignoring {sender} for {rounds} rounds: {refused} refused rollout "
+                 "messages", level=logging.WARNING, sender=sender, rounds=self.window, refused=self.max_rejections,
+                 until_round=round_ + self.window)
 
     def offer(self, s: Signed, sender: str, ex: Expect, *, digest: str | None = None) -> RolloutBatch | None:
         """Validate one signed batch or shard from ``sender`` for round ``ex.round``; keep it if

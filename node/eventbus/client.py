@@ -38,6 +38,7 @@ from node.eventbus import metrics as bus_metrics
 from node.eventbus.config import TOPICS, EventBusConfig
 from node.eventbus.gate import SenderGate
 from node.eventbus.wire import Notice, NoticeError, decode_notice, encode_notice, verify_message
+from node.logs import emit
 from protocol import eventbus_pb2, eventbus_pb2_grpc
 from security.limits import BanList
 
@@ -267,8 +268,8 @@ class EventBus:
         self._up.set()
         for cb in list(self.on_up):
             cb(self)
-        log.info("event-bus sidecar up (pid %s), gossip at %s", proc.pid, ", ".join(self.advertised_addrs),
-                 extra={"event": "eventbus_up", "pid": proc.pid, "addrs": self.advertised_addrs})
+        emit(log, "eventbus_up", "event-bus sidecar up (pid {pid}), gossip at {where}", pid=proc.pid,
+             where=", ".join(self.advertised_addrs), addrs=self.advertised_addrs)
 
     async def supervise(self) -> None:
         """Start the sidecar if it is not up, and restart it with backoff whenever it dies.
@@ -282,16 +283,16 @@ class EventBus:
             if not self.up:
                 if failures > self.cfg.restart_max:
                     self.state = "failed"
-                    log.error("event-bus sidecar gave up after %d failures in a row (%s); roles use the DHT "
-                              "fallback", failures, self.last_error, extra={"event": "eventbus_failed"})
+                    emit(log, "eventbus_failed", "event-bus sidecar gave up after {failures} failures in a row "
+                         "({error}); roles use the DHT fallback", level=logging.ERROR, failures=failures, error=self.last_error)
                     return
                 try:
                     await self.start()
                 except Exception as exc:  # noqa: BLE001 - retried with backoff
                     failures += 1
                     self.state = "restarting"
-                    log.warning("event-bus sidecar failed to start (%d/%d in a row): %s", failures,
-                                self.cfg.restart_max + 1, exc, extra={"event": "eventbus_start_failed"})
+                    emit(log, "eventbus_start_failed", "event-bus sidecar failed to start ({failures}/{limit} in a "
+                         "row): {error}", level=logging.WARNING, failures=failures, limit=self.cfg.restart_max + 1, error=str(exc))
                     await asyncio.sleep(restart_delay(failures, self.cfg.restart_backoff_max_s))
                     continue
             proc = self.proc
@@ -309,8 +310,8 @@ class EventBus:
             self.last_error = f"sidecar (pid {proc.pid}) exited with code {code}"
             failures = 1 if time.monotonic() - born >= STABLE_S else failures + 1
             delay = restart_delay(failures, self.cfg.restart_backoff_max_s)
-            log.warning("event-bus sidecar exited (code %s); restart %d in %.1f s", code, self.restarts, delay,
-                        extra={"event": "eventbus_restart", "code": code, "restarts": self.restarts})
+            emit(log, "eventbus_restart", "event-bus sidecar exited (code {code}); restart {restarts} in {delay_s:.1f} s",
+                 level=logging.WARNING, code=code, restarts=self.restarts, delay_s=delay)
             await asyncio.sleep(delay)
 
     async def stop(self) -> None:
@@ -370,7 +371,8 @@ class EventBus:
             await self.publish("swarm", data, timeout=timeout)
             return True
         except (EventBusUnavailable, grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            log.warning("could not gossip a %s notice: %s", kind, exc, extra={"event": "eventbus_notice_failed"})
+            emit(log, "eventbus_notice_failed", "could not gossip a {kind} notice: {error}", level=logging.WARNING, kind=kind,
+                 error=str(exc))
             return False
 
     async def set_peers(self, peers: dict[str, list[str]]) -> None:
@@ -387,7 +389,7 @@ class EventBus:
         try:
             await self.stub.SetPeers(req, timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            log.warning("SetPeers failed: %s", exc.details(), extra={"event": "eventbus_set_peers_failed"})
+            emit(log, "eventbus_set_peers_failed", "SetPeers failed: {detail}", level=logging.WARNING, detail=exc.details())
 
     async def set_members(self, views: list) -> None:
         """A fresh read of the run's node cards (``node.card.CardView``s): who may publish on which
@@ -401,7 +403,7 @@ class EventBus:
         try:
             await self.stub.SetMembers(self.gate.request(), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            log.warning("SetMembers failed: %s", exc.details(), extra={"event": "eventbus_set_members_failed"})
+            emit(log, "eventbus_set_members_failed", "SetMembers failed: {detail}", level=logging.WARNING, detail=exc.details())
 
     async def refresh(self, timeout: float = 3.0) -> eventbus_pb2.PeersReply | None:
         """Ask the sidecar for peers, mesh, counters and reachability; cached for metrics. Bans the
@@ -460,16 +462,16 @@ class EventBus:
                 self.notices_seen[d.sender] = (d.notice.kind, time.time())
                 bus_metrics.NOTICES.labels(kind=d.notice.kind).inc()
                 if d.notice.kind in ("drain", "preemption"):
-                    log.info("peer %s is %s (%s)", d.sender, "draining" if d.notice.kind == "drain" else "preempted",
-                             d.notice.fields.get("trigger", ""), extra={"event": "peer_notice", "peer": d.sender,
-                                                                       "kind": d.notice.kind})
+                    emit(log, "peer_notice", "peer {peer} is {what} ({trigger})", peer=d.sender, kind=d.notice.kind,
+                         what="draining" if d.notice.kind == "drain" else "preempted",
+                         trigger=d.notice.fields.get("trigger", ""))
             for cb in list(self._listeners):
                 try:
                     r = cb(d)
                     if asyncio.iscoroutine(r):
                         await r
                 except Exception as exc:  # noqa: BLE001 - one bad listener must not stop the others
-                    log.warning("event-bus listener failed: %r", exc, extra={"event": "eventbus_listener_failed"})
+                    emit(log, "eventbus_listener_failed", "event-bus listener failed: {error}", level=logging.WARNING, error=repr(exc))
 
     async def messages(self, topics: tuple[str, ...] = ()) -> AsyncIterator[Delivery]:
         """Verified deliveries on ``topics`` (short names; empty = all), across sidecar restarts.
@@ -492,8 +494,8 @@ class EventBus:
                         yield d
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    log.warning("event-bus subscription failed: %s", exc.details(),
-                                extra={"event": "eventbus_subscribe_failed"})
+                    emit(log, "eventbus_subscribe_failed", "event-bus subscription failed: {detail}", level=logging.WARNING,
+                         detail=exc.details())
                 await asyncio.sleep(0.1)
             finally:
                 call.cancel()

@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from node.eventbus.client import EventBus, gossip_peers_from_cards
+from node.logs import emit
 
 if TYPE_CHECKING:  # pragma: no cover
     from node.card import CardPublisher
@@ -68,7 +69,7 @@ class NodeEventBus:
             error = repr(group.exceptions[0])
             await bus.stop()
             bus.state, bus.last_error = "failed", error
-            log.error("event bus stopped: %s; roles use the DHT fallback", error, extra={"event": "eventbus_failed"})
+            emit(log, "eventbus_failed", "event bus stopped: {error}; roles use the DHT fallback", level=logging.ERROR, error=error)
 
     def _publish_addr(self, bus: EventBus) -> None:
         self.card.update(publish=True, gossip_addr=",".join(bus.advertised_addrs)[:200])
@@ -93,7 +94,7 @@ class NodeEventBus:
                 self.card.update(bus_reach=st["reached_by"])
             hint = st.get("hint", "")
             if hint and hint != self._hint_logged:
-                log.warning("event bus: %s", hint, extra={"event": "eventbus_unreachable"})
+                emit(log, "eventbus_unreachable", "event bus: {hint}", level=logging.WARNING, hint=hint)
             self._hint_logged = hint
             await asyncio.sleep(interval)
 
