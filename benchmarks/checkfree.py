@@ -81,6 +81,7 @@ from safetensors.torch import save as st_save  # noqa: E402
 from models.config import DataConfig, ModelConfig  # noqa: E402
 from models.corpus import batches, eval_batches, load_corpus  # noqa: E402
 from models.llama import lm_loss  # noqa: E402
+from models.optim import InnerConfig  # noqa: E402
 from models.stages import StageSet, run_path_stagewise  # noqa: E402
 from node.checkpoint import Checkpointer  # noqa: E402
 from pipeline.checkfree import (average_neighbours, checkfree_plus_order, choose_recovery, copy_neighbour,  # noqa: E402
@@ -244,7 +245,8 @@ class Trainer:
                 new = average_neighbours(got[sources[0]], got[sources[1]], left_norm=self.norms[sources[0]],
                                          right_norm=self.norms[sources[1]], left_iteration=it, right_iteration=it)
             self.stages.stages[s].load_state_dict(new)
-            self.opts[s] = fresh_optimizer(self.stages.stages[s].parameters(), self.bc.lr, self.bc.lr_scale)
+            self.opts[s] = fresh_optimizer(self.stages.stages[s].parameters(), InnerConfig(lr=self.bc.lr),
+                                           self.bc.lr_scale)
             apply_s = time.perf_counter() - t0
             interior = 2 <= s <= t - 1 and len(failed) == 1
             records.append({"stage": s, "rule": rule, "sources": list(sources), "interior": interior,

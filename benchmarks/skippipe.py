@@ -2,7 +2,8 @@
 
 The same swarm three times, one method each (``schedule.method``): a bootstrap (the schedule
 coordinator) and 9 ``stage`` nodes as OS processes on 127.0.0.1: 3 data nodes (stage 0) and 3
-transformer stages x 2 replicas, a tiny byte-level LLaMA (d 32, 3 blocks, 1 per stage), 3
+transformer stages x 2 replicas, a tiny byte-level LLaMA (d 32, 4 blocks, 1 per stage: stage 0
+holds the embedding, the first block and the head, as the paper's stage 0 holds a stage's worth), 3
 microbatches of 4 x 32 tokens per data node per iteration, skip ratio 1/3 (SkipPipe and random
 paths visit 2 of the 3 transformer stages; the full pipeline all 3, in order), memory 3.
 
@@ -26,8 +27,8 @@ every stage's replica gradient exchange and the EndOfIteration messages between 
 and the makespan alone (``simulate``). After training, the final weights (each node's
 checkpoint) are loaded here to report perplexity with 25% and 50% of the non-first stages
 dropped at inference (the expectation over random sorted subsets; a fractional stage count
-mixes the two nearest counts), for the model trained with skipping (SkipPipe) and without
-(full pipeline).
+mixes the two nearest counts; stage 0 and its blocks are never dropped: `kept_stage_subsets`),
+for the model trained with skipping (SkipPipe) and without (full pipeline).
 
 The top-level "summary" holds: iteration_time_ratio_skippipe_vs_full (target <= 0.6),
 iteration_time_ratio_skippipe_vs_random (< 1), predicted_time_error (largest over the three
@@ -61,7 +62,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from models.config import DataConfig, ModelConfig  # noqa: E402
 from models.corpus import eval_batches, load_corpus  # noqa: E402
 from models.llama import lm_loss  # noqa: E402
-from models.stages import StageSet  # noqa: E402
+from models.stages import StageSet, stage0_share  # noqa: E402
 from node.checkpoint import Checkpointer  # noqa: E402
 from node.localswarm import LocalSwarm, NodeProc  # noqa: E402
 from pipeline.cluster import Cluster  # noqa: E402
@@ -89,7 +90,8 @@ SPEED = (1.0, 1.0, 1.0, 1.6, 0.7, 1.3, 1.0, 0.7, 1.6)
 """Forward time of node i relative to W_S (heterogeneous accelerators)."""
 W_S = 0.05
 """Emulated forward seconds of one stage for one microbatch at speed 1 (paper scale: 1.76 s)."""
-MODEL = dict(d_model=32, n_layers=3, n_heads=2, max_seq_len=32)
+MODEL = dict(d_model=32, n_layers=4, n_heads=2, max_seq_len=32)
+"""4 blocks over 4 stages: stage 0 keeps the first (`stage.stage0_layers` unset: a stage's worth)."""
 DATA = dict(seq_len=32, batch_size=4, max_train_bytes=400_000, max_val_bytes=40_000)
 ACT_BYTES = DATA["batch_size"] * DATA["seq_len"] * MODEL["d_model"] * 4
 BW_SCALE = ACT_BYTES / ACTIVATION_BYTES * FORWARD_S / W_S
@@ -244,7 +246,7 @@ def codec_seconds(reps: int = 300) -> float:
 def load_stages(dirs: dict[str, Path]) -> StageSet:
     """The trained model from the nodes' final checkpoints (one node per stage; replicas are identical)."""
     cfg = ModelConfig(**MODEL)
-    stages = StageSet.build(cfg, 0, STAGES)
+    stages = StageSet.build(cfg, 0, STAGES, stage0_layers=None)     # as the nodes split it: the [stage] default
     for s in range(STAGES):
         name = f"stage-{LAYOUT.index(s)}"
         state = Checkpointer(dirs[name], CHECKPOINT_FORMAT, "").read(required=("stage",), check_cfg=False)
@@ -254,20 +256,28 @@ def load_stages(dirs: dict[str, Path]) -> StageSet:
     return stages
 
 
+def kept_stage_subsets(n_stages: int, drop: int) -> list[tuple[int, ...]]:
+    """Every stage path that drops `drop` of the transformer stages 1..n_stages-1 and keeps the
+    others in order. Stage 0 (embedding, its own first blocks, head) leads every one: the
+    omission never drops it, as SkipPipe never skips it."""
+    if not 0 <= drop <= n_stages - 1:
+        raise ValueError(f"cannot drop {drop} of {n_stages - 1} transformer stages")
+    return [(0, *kept) for kept in itertools.combinations(range(1, n_stages), n_stages - 1 - drop)]
+
+
 def dropped_stage_perplexity(stages: StageSet, batches, fraction: float) -> float:
     """exp(expected loss) with `fraction` of the non-first stages dropped: uniform over sorted
     subsets of the kept stages; a fractional count mixes floor and ceil by its remainder."""
-    n = STAGES - 1
+    n = len(stages.stages) - 1
     k = fraction * n
     lo = math.floor(k)
     mix = [(lo, 1 - (k - lo))] + ([(lo + 1, k - lo)] if k > lo else [])
     total = 0.0
     for drop, weight in mix:
-        subsets = list(itertools.combinations(range(1, STAGES), n - drop))
         losses = []
-        for kept in subsets:
+        for path in kept_stage_subsets(n + 1, drop):
             with torch.no_grad():
-                losses.append(statistics.mean(float(lm_loss(stages.logits(x, (0, *kept)), y)) for x, y in batches))
+                losses.append(statistics.mean(float(lm_loss(stages.logits(x, path), y)) for x, y in batches))
         total += weight * statistics.mean(losses)
     return math.exp(total)
 
@@ -337,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
            "setup": {"nodes": len(LAYOUT), "layout": LAYOUT, "regions": REGIONS, "speed": SPEED, "w_s": W_S,
                      "bandwidth_scale": BW_SCALE, "stages": STAGES, "skip_ratio": "1/3 (2 of 3 transformer stages)",
                      "mb_per_origin": MB_PER_ORIGIN, "memory": MEMORY, "model": MODEL, "data": DATA,
+                     "stage0_blocks": stage0_share(MODEL["n_layers"], STAGES),
                      "iterations": iterations, "eval_every": eval_every, "quick": args.quick,
                      "links_ms_mbps": links(), "workdir": str(workdir)},
            "methods": results, "hop_split": hop_split,

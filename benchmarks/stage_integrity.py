@@ -67,6 +67,7 @@ import torch  # noqa: E402
 from models.config import DataConfig, ModelConfig  # noqa: E402
 from models.corpus import batches, eval_batches, load_corpus  # noqa: E402
 from models.llama import lm_loss  # noqa: E402
+from models.optim import InnerConfig  # noqa: E402
 from models.stages import StageSet  # noqa: E402
 from pipeline.backdoor import (BackdoorAttackConfig, Injector, backdoor_success, clean_val_loss,  # noqa: E402
                                learn_task_vector, simulate_training)
@@ -314,7 +315,8 @@ class Swarm:
                                          left_norm=left.grad_norm_pre, right_norm=right.grad_norm_pre,
                                          left_iteration=t, right_iteration=t)
             node.module.load_state_dict(rebuilt)
-            node.opt = fresh_optimizer(node.module.parameters(), LR, LR_SCALE)
+            node.opt = fresh_optimizer(node.module.parameters(), InnerConfig(lr=LR, betas=HP.betas, eps=HP.eps,
+                                                                             weight_decay=HP.weight_decay), LR_SCALE)
             node.lr, rule = LR * LR_SCALE, "checkfree_average"
         node.injector = None                      # the attacker is out; a replacement node serves the slot
         node.exempt_next = True

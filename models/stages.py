@@ -1,8 +1,8 @@
 """Pipeline stages cut from the LLaMA-style model, run stage by stage along a SkipPipe path.
 
 Owns how the model is split for the `stage` role (docs/pipeline.md, 'Terms'): stage 0 holds the
-embedding, `stage0_layers` leading blocks, the final norm, the head and the loss; stages 1..T
-hold the remaining blocks in equal contiguous ranges. It also owns `run_order` (the whole
+embedding, `stage0_layers` leading blocks (None: a stage's worth, `stage0_share`), the final
+norm, the head and the loss; stages 1..T hold the remaining blocks in equal contiguous ranges. It also owns `run_order` (the whole
 model with its blocks taken in a given order: the single-process reference) and
 `run_path_stagewise` (one microbatch forward and backward stage by stage, with activations and
 gradients passed explicitly as tensors, exactly what the stage role does over the network).
@@ -24,10 +24,25 @@ from models.config import ModelConfig
 from models.llama import Llama, build_model, lm_loss, rope_tables
 
 
-def stage_layer_ranges(n_layers: int, n_stages: int, stage0_layers: int = 0
+def stage0_share(n_layers: int, n_stages: int) -> int:
+    """A stage's worth of blocks for stage 0: n_layers // n_stages, the model cut into n_stages
+    equal parts as the SkipPipe code does (its `LLamaFirstStage` holds the embedding and as many
+    blocks as every other stage: 24 blocks, 6 stages -> 4 each). 0 when the model has fewer blocks
+    than stages."""
+    return n_layers // n_stages
+
+
+def resolve_stage0_layers(n_layers: int, n_stages: int, stage0_layers: int | None) -> int:
+    """`stage0_layers` as configured, or `stage0_share` when it is None (the `[stage]` default)."""
+    return stage0_share(n_layers, n_stages) if stage0_layers is None else stage0_layers
+
+
+def stage_layer_ranges(n_layers: int, n_stages: int, stage0_layers: int | None = 0
                        ) -> list[tuple[int, int]]:
-    """Block ranges [start, end) per stage: stage 0 gets the first `stage0_layers` blocks, the
-    other n_stages - 1 stages split the rest contiguously (earlier stages take the remainder)."""
+    """Block ranges [start, end) per stage: stage 0 gets the first `stage0_layers` blocks (None: a
+    stage's worth, `stage0_share`), the other n_stages - 1 stages split the rest contiguously
+    (earlier stages take the remainder)."""
+    stage0_layers = resolve_stage0_layers(n_layers, n_stages, stage0_layers)
     t = n_stages - 1
     rest = n_layers - stage0_layers
     if t < 1 or stage0_layers < 0 or rest < t:
@@ -55,6 +70,7 @@ class Stage0(nn.Module):
     """The originator's stage: embedding (+ leading blocks) out, norm + head + loss on return."""
 
     def __init__(self, cfg: ModelConfig, seed: int, stage0_layers: int = 0):
+        """`stage0_layers`: the resolved count (an int; see `resolve_stage0_layers`)."""
         super().__init__()
         self.cfg = cfg
         self.core = build_model(cfg, seed, layers=(0, stage0_layers), embed=True, head=True)
@@ -87,13 +103,13 @@ class TransformerStage(nn.Module):
 
 
 def build_stage(cfg: ModelConfig, seed: int, stage: int, n_stages: int,
-                stage0_layers: int = 0) -> nn.Module:
+                stage0_layers: int | None = 0) -> nn.Module:
     """The module one `stage` node holds: Stage0 for stage 0, else TransformerStage."""
     ranges = stage_layer_ranges(cfg.n_layers, n_stages, stage0_layers)
     if not 0 <= stage < n_stages:
         raise ValueError(f"stage {stage} is not in [0, {n_stages})")
     if stage == 0:
-        return Stage0(cfg, seed, stage0_layers)
+        return Stage0(cfg, seed, ranges[0][1])
     return TransformerStage(cfg, seed, ranges[stage])
 
 
@@ -106,7 +122,7 @@ class StageSet:
     ranges: list[tuple[int, int]]
 
     @classmethod
-    def build(cls, cfg: ModelConfig, seed: int, n_stages: int, stage0_layers: int = 0
+    def build(cls, cfg: ModelConfig, seed: int, n_stages: int, stage0_layers: int | None = 0
               ) -> "StageSet":
         ranges = stage_layer_ranges(cfg.n_layers, n_stages, stage0_layers)
         return cls(cfg, [build_stage(cfg, seed, s, n_stages, stage0_layers)
@@ -114,11 +130,7 @@ class StageSet:
 
     def block_order(self, path: tuple[int, ...] | list[int]) -> list[int]:
         """Whole-model block indices a microbatch with `path` runs, in order."""
-        check_path(path, len(self.stages))
-        order = list(range(*self.ranges[0]))
-        for s in path[1:]:
-            order.extend(range(*self.ranges[s]))
-        return order
+        return block_order(self.ranges, path)
 
     def grads(self, stage: int) -> dict[str, Tensor]:
         """Accumulated gradient of each parameter of `stage`, by whole-model name."""
@@ -138,6 +150,16 @@ class StageSet:
     def zero_grad(self) -> None:
         for m in self.stages:
             m.zero_grad(set_to_none=True)
+
+
+def block_order(ranges: list[tuple[int, int]], path: tuple[int, ...] | list[int]) -> list[int]:
+    """Whole-model block indices a microbatch with stage sequence `path` runs, in order, for the
+    split `ranges` (`stage_layer_ranges`): stage 0's blocks first, on every path."""
+    check_path(path, len(ranges))
+    order = list(range(*ranges[0]))
+    for s in path[1:]:
+        order.extend(range(*ranges[s]))
+    return order
 
 
 def check_path(path, n_stages: int) -> None:
@@ -188,5 +210,5 @@ def run_order(model: Llama, tokens: Tensor, block_order: list[int]) -> Tensor:
     return model.head(model.norm(h))
 
 
-__all__ = ["Stage0", "StageSet", "TransformerStage", "build_stage", "check_hidden", "run_order",
-           "run_path_stagewise", "stage_layer_ranges"]
+__all__ = ["Stage0", "StageSet", "TransformerStage", "block_order", "build_stage", "check_hidden", "resolve_stage0_layers",
+           "run_order", "run_path_stagewise", "stage0_share", "stage_layer_ranges"]

@@ -1,5 +1,6 @@
 """CheckFree / CheckFree+ rules: rebuild a lost stage from its neighbours, with no checkpoint
-(docs/pipeline.md, 'CheckFree recovery'). Pure torch: no transport, no node code.
+(docs/pipeline.md, 'CheckFree recovery'). Pure torch (and models/optim.py's optimizer builder): no
+transport, no node code.
 
 Stage numbering: stage 0 holds data, embedding and head; transformer stages are 1..T.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from models.optim import InnerConfig, build_optimizer
 
 NORM_EPS = 1e-4
 """Added to each neighbour weight so two zero gradient norms still give the midpoint."""
@@ -118,10 +121,13 @@ def checkfree_plus_order(mb_index: int, n_transformer: int) -> list[int]:
     return order
 
 
-def fresh_optimizer(params, base_lr: float, lr_scale: float) -> torch.optim.AdamW:
-    """The recovered stage's optimizer (P20): fresh AdamW state, lr = lr_scale * base_lr, always from
-    the initial LR so a second recovery does not compound."""
-    return torch.optim.AdamW(params, lr=lr_scale * base_lr, betas=(0.9, 0.999), weight_decay=0.0)
+def fresh_optimizer(params, optim: InnerConfig, lr_scale: float) -> torch.optim.AdamW:
+    """The recovered stage's optimizer (P20): fresh AdamW state built from the run's own optimizer
+    config `optim` (`stage.optim`: its betas, eps and weight decay, as every other stage steps),
+    with lr = lr_scale * optim.lr, always from the configured LR so a second recovery does not
+    compound. (The official code resets to AdamW's defaults; a run configured otherwise would then
+    step its rebuilt stage with other hyperparameters than its neighbours.)"""
+    return build_optimizer(params, optim.model_copy(update={"lr": lr_scale * optim.lr}))
 
 
 # ---- ablations (copy, uniform average, random re-init; benchmarks/checkfree.py) --------------------------------------

@@ -37,16 +37,19 @@ class ScheduleConfig(BaseModel):
     mb_per_origin: int = Field(3, ge=1)
     """Microbatches each stage-0 node starts per iteration. With the memory cap on, stage
     nodes x memory x mb_per_path must cover the visits: lower it (or raise mb_per_path) if
-    planning fails with R5. 3 is ours (with mb_per_path = 1); the paper runs 6 (with 2)."""
+    planning fails with R5. 3 is OURS (with mb_per_path = 1); the PAPER runs 6 (with 2). Ours
+    kept as default: the simulated time per microbatch is the same within 3%, an iteration (a
+    demo, a test) takes half as long, and CheckFree+ needs mb_per_path = 1 (docs/pipeline.md,
+    'Defaults that differ from the paper'). Raise it for bigger steps per iteration."""
 
     mb_per_path: int = Field(1, ge=1)
     """Microbatches one scheduled path carries back to back (the next leaves its data node once
-    the previous one's backward is home); the memory cap counts paths. 1 [ours]: every
+    the previous one's backward is home); the memory cap counts paths. 1 = OURS (default): every
     microbatch is its own path, so a node takes at most `memory` microbatches per iteration and
     each one can take another route. 2 = the paper's scheduler (with mb_per_origin = 6 and
-    memory = 3: 6 microbatch visits per stage node, 3 at once). Raise it to run more
-    microbatches per iteration on the same replicas without deferrals. mb_per_origin must be a
-    multiple of it."""
+    memory = 3: 6 microbatch visits per stage node, 3 at once), the PAPER's. Raise it to run more
+    microbatches per iteration on the same replicas without deferrals; keep 1 with
+    `checkfree_plus`, which refuses more. mb_per_origin must be a multiple of it."""
 
     memory: int = Field(3, ge=1)
     """Microbatches a node keeps in flight (activations held for backward). Raise it on
@@ -234,8 +237,15 @@ class StageConfig(RunSettings):
     seed: int = 0
     """Initial-weight seed; the same on every node of the run so replicas start identical."""
 
-    stage0_layers: int = Field(0, ge=0)
-    """Transformer blocks stage 0 keeps next to its embedding (SkipPipe: 1; CheckFree: 0)."""
+    stage0_layers: int | None = Field(None, ge=0)
+    """Transformer blocks stage 0 (the data nodes) keeps after its embedding. None (default) = a
+    stage's worth, model.n_layers // schedule.stages, the split of the SkipPipe code (stage 0 holds
+    the embedding and as many first blocks as every other stage). Stage 0 is on every path, so its
+    blocks are never skipped, swapped or dropped: the first blocks, which the CheckFree paper calls
+    critical, always run, in order. 0 = stage 0 holds no block (our earlier default): the first
+    blocks then sit on stage 1, which paths skip and CheckFree+ swaps. A model with fewer blocks
+    than stages leaves stage 0 with none; give it more blocks. Every node of a run needs the same
+    value (it is part of the cfg hash)."""
 
     eval_every: int = Field(5, ge=0)
     """The first data node validates the full in-order model every this many iterations

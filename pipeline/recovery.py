@@ -19,7 +19,8 @@ Owns what happens between "this node holds no weights" and "it can join the sche
    their own layer indices), the iteration t, the donors and the phase seconds.
    pipeline/replacement.py applies them (`apply_recovery`) and reports; the claim on a vacancy
    is `claim_holds`. A replica's optimizer state is loaded as is; every other rule starts
-   a fresh AdamW at `lr_scale` x the configured LR (`pipeline.checkfree.fresh_optimizer`) with
+   a fresh AdamW (the run's `stage.optim`: betas, eps, weight decay) at `lr_scale` x the
+   configured LR (`pipeline.checkfree.fresh_optimizer`) with
    the LR schedule rebuilt at step t from that scaled base.
 
 Transport and DHT reads are here; the rules themselves are pure (pipeline/checkfree.py).
@@ -126,7 +127,7 @@ def apply_recovery(module: nn.Module, r: Rebuilt, optim: InnerConfig, lr_scale: 
                                 weight_decay=optim.weight_decay)
         load_adam_state(opt, module, r.optimizer)
         return opt, inner_lr_scheduler(opt, optim, start_step=r.iteration)
-    opt = fresh_optimizer(params, optim.lr, lr_scale)
+    opt = fresh_optimizer(params, optim, lr_scale)
     scaled = optim.model_copy(update={"lr": lr_scale * optim.lr})
     return opt, inner_lr_scheduler(opt, scaled, start_step=r.iteration)
 

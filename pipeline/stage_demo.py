@@ -16,7 +16,8 @@ DEFAULT_NODES = 9
 """Stage nodes besides the bootstrap: 3 data nodes + 3 stages x 2 replicas."""
 
 STAGES = 4
-"""Stage 0 (data, embedding, head) + 3 transformer stages of one block each."""
+"""Stage 0 (data, embedding, the first block, head) + 3 transformer stages of one block each: 4
+blocks, stage 0 holding a stage's worth (`stage.stage0_layers` unset), so no path skips block 0."""
 
 LAYOUT = (0, 1, 2, 3, 0, 1, 2, 3, 0)
 """Stage index of worker i (i >= 9 repeats it): any 4 or more workers cover every stage."""
@@ -29,7 +30,7 @@ def node_settings(steps: int) -> list[str]:
     """``--set`` overrides every node gets, the bootstrap (coordinator) included."""
     return [f"schedule.stages={STAGES}", "schedule.skip_ratio=0.3333333333333333",
             f"schedule.mb_per_origin={MB_PER_ORIGIN}", "schedule.settle_s=1.0", "schedule.time_budget_s=3.0",
-            "model.d_model=32", "model.n_layers=3", "model.n_heads=2", "model.max_seq_len=32", "data.seq_len=32",
+            "model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.max_seq_len=32", "data.seq_len=32",
             "data.batch_size=4", "data.max_train_bytes=400000", "data.max_val_bytes=40000", "stage.torch_threads=1",
             "stage.eval_every=5", "stage.optim.lr=0.003", "stage.optim.warmup=0", f"stage.exit_after={steps}"]
 

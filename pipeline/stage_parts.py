@@ -18,7 +18,7 @@ from torch import nn
 
 from models.config import DataConfig, ModelConfig
 from models.optim import build_optimizer, inner_lr_scheduler
-from models.stages import build_stage
+from models.stages import build_stage, resolve_stage0_layers
 from pipeline.config import ScheduleConfig, StageConfig
 
 CHECKPOINT_FORMAT = "swarmnode-stage-v1"
@@ -40,9 +40,14 @@ def activation_bytes(s: StageSettings) -> int:
     return s.data.batch_size * s.data.seq_len * s.model.d_model * 4
 
 
+def stage0_layers(s: StageSettings) -> int:
+    """Blocks stage 0 holds in this run: `stage.stage0_layers`, or a stage's worth when unset."""
+    return resolve_stage0_layers(s.model.n_layers, s.schedule.stages, s.stage.stage0_layers)
+
+
 def stage_cfg_hash(s: StageSettings) -> str:
     """What a stage's weights depend on: nodes whose hashes differ cannot share state."""
-    body = f"{s.model.model_dump_json()}|{s.schedule.stages}|{s.stage.index}|{s.stage.stage0_layers}|{s.stage.seed}"
+    body = f"{s.model.model_dump_json()}|{s.schedule.stages}|{s.stage.index}|{stage0_layers(s)}|{s.stage.seed}"
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
@@ -53,7 +58,7 @@ def cfg_hash_of(s: StageSettings, index: int) -> str:
 
 def build_module(s: StageSettings, index: int) -> nn.Module:
     """Stage `index`'s module at the run's initial weights (`stage.seed`), on the current device."""
-    return build_stage(s.model, s.stage.seed, index, s.schedule.stages, s.stage.stage0_layers)
+    return build_stage(s.model, s.stage.seed, index, s.schedule.stages, stage0_layers(s))
 
 
 @dataclass
@@ -74,4 +79,4 @@ def build_parts(s: StageSettings, index: int) -> StageParts:
 
 
 __all__ = ["CHECKPOINT_FORMAT", "StageParts", "StageSettings", "activation_bytes", "build_module", "build_parts",
-           "cfg_hash_of", "stage_cfg_hash"]
+           "cfg_hash_of", "stage0_layers", "stage_cfg_hash"]

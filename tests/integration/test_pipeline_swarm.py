@@ -70,7 +70,7 @@ def _stage1_state_spec() -> tuple[dict, dict]:
     """The parameter and AdamW-state names, dtypes and shapes a stage-1 replica serves."""
     settings = dict(item.split("=", 1) for item in stage_demo.node_settings(ITERATIONS) if item.startswith("model."))
     cfg = ModelConfig(**{k.split(".", 1)[1]: json.loads(v) for k, v in settings.items()})
-    module = build_stage(cfg, 0, 1, stage_demo.STAGES)
+    module = build_stage(cfg, 0, 1, stage_demo.STAGES, stage0_layers=None)    # the [stage] default split
     expected = {n: (p.dtype, tuple(p.shape)) for n, p in module.named_parameters()}
     optimizer = {f"{n}.{k}": (torch.float32, shape) for n, (_, shape) in expected.items()
                  for k in ("exp_avg", "exp_avg_sq")}

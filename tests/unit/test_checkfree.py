@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from models.config import ModelConfig
+from models.optim import InnerConfig
 from models.stages import build_stage
 from pipeline.checkfree import (RecoveryError, average_neighbours, checkfree_plus_order, choose_recovery,
                                 fresh_optimizer, neighbour_weight)
@@ -62,11 +63,24 @@ def test_fresh_optimizer_scales_from_the_initial_lr_without_compounding():
     old = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     stage(torch.randn(2, 16, 32)).sum().backward()
     old.step()
-    opt = fresh_optimizer(stage.parameters(), base_lr=1e-3, lr_scale=1.1)
+    opt = fresh_optimizer(stage.parameters(), InnerConfig(lr=1e-3), lr_scale=1.1)
     assert opt.state_dict()["state"] == {}                              # no moments carried over
     assert opt.param_groups[0]["lr"] == pytest.approx(1.1e-3) and opt.param_groups[0]["weight_decay"] == 0.0
-    again = fresh_optimizer(stage.parameters(), base_lr=1e-3, lr_scale=1.1)   # a second failure
+    again = fresh_optimizer(stage.parameters(), InnerConfig(lr=1e-3), lr_scale=1.1)   # a second failure
     assert again.param_groups[0]["lr"] == pytest.approx(1.1e-3)
+
+
+def test_fresh_optimizer_takes_the_runs_betas_eps_and_weight_decay():
+    """A rebuilt stage steps with the run's `stage.optim` like its neighbours (issue 31, item 7), not
+    AdamW's defaults; only the LR is scaled."""
+    stage = build_stage(CFG, 0, 2, 5)
+    run = InnerConfig(lr=2e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    opt = fresh_optimizer(stage.parameters(), run, lr_scale=1.2)
+    assert isinstance(opt, torch.optim.AdamW) and len(opt.param_groups) == 1
+    group = opt.param_groups[0]
+    assert group["betas"] == (0.8, 0.95) and group["eps"] == 1e-6 and group["weight_decay"] == 0.1
+    assert group["lr"] == pytest.approx(2.4e-4) and run.lr == 2e-4      # the run's config is not changed
+    assert sum(p.numel() for p in group["params"]) == sum(p.numel() for p in stage.parameters())
 
 
 def test_rule_table():

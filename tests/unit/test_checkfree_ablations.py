@@ -12,6 +12,7 @@ from safetensors.torch import save as st_save
 
 from models.config import ModelConfig
 from models.llama import lm_loss
+from models.optim import InnerConfig
 from models.stages import StageSet, build_stage, run_path_stagewise
 from pipeline.checkfree import (ABLATIONS, RecoveryError, average_neighbours, checkfree_plus_order,
                                 choose_recovery, copy_neighbour, fresh_optimizer, random_reinit, shift_layers,
@@ -132,7 +133,7 @@ def test_recovered_stage_gets_a_fresh_optimizer_and_the_others_are_untouched():
     # stage 2 is lost: rebuilt from 1 and 3, fresh optimizer at lr_scale * base_lr
     new = average_neighbours(shift_layers(before[1], +1), shift_layers(before[3], -1), left_norm=0.4, right_norm=0.9, left_iteration=3, right_iteration=3)
     stages.stages[2].load_state_dict(new)
-    opts[2] = fresh_optimizer(stages.stages[2].parameters(), base_lr=1e-3, lr_scale=1.2)
+    opts[2] = fresh_optimizer(stages.stages[2].parameters(), InnerConfig(lr=1e-3), lr_scale=1.2)
     for s in (0, 1, 3, 4):
         assert all(torch.equal(stages.stages[s].state_dict()[k], before[s][k]) for k in before[s])
         state = opts[s].state_dict()["state"]
@@ -143,7 +144,7 @@ def test_recovered_stage_gets_a_fresh_optimizer_and_the_others_are_untouched():
     assert all(torch.isfinite(p).all() for m in stages.stages for p in m.parameters())
     assert opts[2].param_groups[0]["lr"] == pytest.approx(1.2e-3)
     # a second failure of the same stage: still 1.2 x the initial LR, not 1.44 x
-    opts[2] = fresh_optimizer(stages.stages[2].parameters(), base_lr=1e-3, lr_scale=1.2)
+    opts[2] = fresh_optimizer(stages.stages[2].parameters(), InnerConfig(lr=1e-3), lr_scale=1.2)
     assert opts[2].param_groups[0]["lr"] == pytest.approx(1.2e-3)
 
 

@@ -135,13 +135,15 @@ def test_relabel_averages_neighbours_by_position_and_apply_resets_the_optimizer(
     rw = relabel(dict(right.named_parameters()), [n for n, _ in right.named_parameters()], names)
     avg = average_neighbours({k: v.detach() for k, v in lw.items()}, {k: v.detach() for k, v in rw.items()},
                              left_norm=1.0, right_norm=1.0, left_iteration=5, right_iteration=5)
-    optim = InnerConfig(lr=0.01, warmup=0, total_steps=100)
+    optim = InnerConfig(lr=0.01, warmup=0, total_steps=100, betas=(0.85, 0.98), eps=1e-7, weight_decay=0.05)
     r = Rebuilt(2, "average", 5, avg, None, {1: "x", 3: "y"})
     opt, sched = apply_recovery(mid, r, optim, 1.2)
     for n, p in mid.named_parameters():
         torch.testing.assert_close(p.detach(), (lw[n].detach() + rw[n].detach()) / 2, atol=1e-7, rtol=0)
     assert opt.param_groups[0]["initial_lr"] == 1.2 * 0.01 and not opt.state
-    assert sched.last_epoch == 5 and opt.param_groups[0]["weight_decay"] == 0.0
+    assert sched.last_epoch == 5        # the fresh AdamW carries the run's betas, eps and weight decay
+    assert (opt.param_groups[0]["betas"], opt.param_groups[0]["eps"], opt.param_groups[0]["weight_decay"]) == \
+        ((0.85, 0.98), 1e-7, 0.05)
     # a second recovery does not compound the scale
     opt2, _ = apply_recovery(mid, r, optim, 1.2)
     assert opt2.param_groups[0]["initial_lr"] == 1.2 * 0.01
