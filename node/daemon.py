@@ -213,8 +213,13 @@ class Node:
                       "swarmnode.Node")
         for add_fn, servicer, name in self.role.services():
             self.grpc.add(add_fn, servicer, name)
-        self.ops = OpsServer(cfg.host, cfg.ops.port, self.lifecycle, self.health, self.peerinfo,
-                             details=lambda: {"eventbus": self.eventbus.status()})
+        try:
+            ops_hosts = cfg.ops.bind_hosts(cfg.host)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.ops = OpsServer(ops_hosts, cfg.ops.port, self.lifecycle, self.health, self.peerinfo,
+                             details=lambda: {"eventbus": self.eventbus.status()},
+                             max_connections=cfg.ops.max_connections, idle_timeout_s=cfg.ops.idle_timeout_s)
         self.lifecycle.subscribe(metrics.follow_lifecycle)
         self.lifecycle.subscribe(lambda s, r, d: set_context(state=s.value))
         self.lifecycle.subscribe(self.grpc.on_state)

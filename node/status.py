@@ -30,11 +30,14 @@ class StatusError(Exception):
 
 
 def _local(args: argparse.Namespace) -> int:
-    port = args.metrics_port
+    port, host = args.metrics_port, "127.0.0.1"
     if port is None:
         from node.config import load_config
-        port = load_config(args.config).ops.port
-    url = f"http://127.0.0.1:{port}/readyz"
+        ops = load_config(args.config).ops
+        port = ops.port
+        if ops.host not in ("private", "host", "0.0.0.0", "::"):
+            host = ops.host  # the ops port listens only there (ops.host)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/readyz"
     try:
         with urllib.request.urlopen(url, timeout=3) as resp:
             body = json.loads(resp.read())
