@@ -25,7 +25,7 @@ def _clean():
 
 
 def _token(coord, peer, serial):
-    return issue_token(coord, run_id=RUN, peer_id=peer, expires_at=NOW + 3600, serial=serial)
+    return issue_token(coord, run_id=RUN, peer_id=peer, expires_at=time.time() + 3600, serial=serial)
 
 
 def test_entry_needs_a_target():
@@ -36,8 +36,8 @@ def test_entry_needs_a_target():
 def test_check_by_serial_and_by_peer():
     r = Revocations()
     a, b = peer_id_str(generate_key()), peer_id_str(generate_key())
-    r.update([RevokedEntry(serial=7, peer_id=a, until=NOW + 60, at=NOW),
-              RevokedEntry(peer_id=b, until=NOW + 60, at=NOW, reason="leak")])
+    r.update([RevokedEntry(serial=7, peer_id=a, until=NOW + 7200, at=NOW),
+              RevokedEntry(peer_id=b, until=NOW + 7200, at=NOW, reason="leak")])
     assert r.check(7, a) is not None and r.check(8, a) is None  # a new token of a is fine
     assert r.check(1, b) is not None and r.check(None, b).reason == "leak"  # every token of b
     assert r.peer_entry(a) is not None and r.peer_entry(peer_id_str(generate_key())) is None
@@ -57,7 +57,7 @@ def test_verify_token_honours_the_process_list():
     cid, pid = peer_id_str(coord), peer_id_str(peer_key)
     blob = _token(coord, pid, 42)
     assert verify_token(blob, coordinator_peer_id=cid, run_id=RUN, peer_id=pid).serial == 42
-    REVOKED.update([RevokedEntry(serial=42, until=NOW + 60, at=NOW, reason="stolen")])
+    REVOKED.update([RevokedEntry(serial=42, until=NOW + 7200, at=NOW, reason="stolen")])
     with pytest.raises(AdmissionRejected) as ei:
         verify_token(blob, coordinator_peer_id=cid, run_id=RUN, peer_id=pid)
     assert ei.value.reason == "revoked" and "stolen" in str(ei.value) and "swarmnode admit" in str(ei.value)
@@ -76,8 +76,8 @@ def test_read_entries_drops_revoked_writers():
     for i, pid in enumerate(ids):  # what strip_value hands readers: the envelope with its token "t"
         entries[pid] = msgpack.packb({**record_value(key, card), "t": _token(coord, pid, 100 + i)}, use_bin_type=True)
     assert set(read_entries(entries, NodeCard, key=key)) == set(ids)
-    REVOKED.update([RevokedEntry(serial=100, until=NOW + 60, at=NOW),
-                    RevokedEntry(peer_id=ids[1], until=NOW + 60, at=NOW)])
+    REVOKED.update([RevokedEntry(serial=100, until=NOW + 7200, at=NOW),
+                    RevokedEntry(peer_id=ids[1], until=NOW + 7200, at=NOW)])
     assert set(read_entries(entries, NodeCard, key=key)) == {ids[2]}
     assert REVOKED.peer_entry(ids[0]).serial == 100  # seen writing with a revoked serial: refused by name
     assert CARD_NAMESPACE.name == "nodes"
@@ -95,7 +95,7 @@ def test_revocation_record_is_coordinator_only():
     coord, forger = generate_key(), generate_key()
     cid, fid = peer_id_str(coord), peer_id_str(forger)
     v = SignedRecordValidator(RUN, None, [REVOKED_NAMESPACE], coordinator_peer_id=cid)
-    entries = [RevokedEntry(serial=5, until=NOW + 60, at=NOW)]
+    entries = [RevokedEntry(serial=5, until=NOW + 7200, at=NOW)]
     exp = get_dht_time() + 3600
 
     def rec(signer, subkey):
