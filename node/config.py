@@ -297,9 +297,6 @@ class DaemonConfig(BaseSettings):
         if self.preemption.provider == "gcp" and self.drain.budget_s > 25:
             raise ValueError(f"drain.budget_s={self.drain.budget_s} does not fit GCP's 30 s preemption window; "
                              "use 25 or less")
-        if self.security.revocation_refresh_s >= self.card.ttl_s:
-            raise ValueError(f"security.revocation_refresh_s={self.security.revocation_refresh_s} must be below "
-                             f"card.ttl_s={self.card.ttl_s}, so a revocation is honoured within one card lifetime")
         if self.security.peer_auth == "none":
             public = [h for h in (self.host, self.advertise_host) if not is_loopback_host(h)]
             public += [m for m in (*self.dht.initial_peers, *self.dht.announce_maddrs) if not is_loopback_maddr(m)]

@@ -259,7 +259,8 @@ class Node:
         if cfg.security.admission == "token":
             sync = RevocationSync(lambda: self.membership.dht, cfg.run_id, cfg.security.coordinator_peer_id,
                                   self.peer_id, self.admission.serial if self.admission is not None else None,
-                                  cfg.security.revocation_refresh_s, cfg.state_dir, self._revoked)
+                                  min(cfg.security.revocation_refresh_s, cfg.card.ttl_s / 2), cfg.state_dir,
+                                  self._revoked)
             self.supervisor.spawn("revocations", sync.run)
         await self.role.start()
         await self._refresh_readiness()

@@ -1,7 +1,7 @@
 """Keeps this process's revocation list (``security.revocation.REVOKED``) in step with the
 coordinator's ``<run>/revoked`` record (token mode; docs/security.md, 'Revocation').
 
-Every node re-reads the record every ``security.revocation_refresh_s`` (below ``card.ttl_s``, so
+Every node re-reads the record every ``security.revocation_refresh_s`` (at most half of ``card.ttl_s``, so
 a revocation is honoured within one card lifetime), and stops with exit 2 when it finds its own
 token revoked. The node holding the coordinator key also keeps the record alive: it merges what
 it reads into ``<state_dir>/revocations.json`` and re-publishes the list when the DHT copy lacks

@@ -104,9 +104,3 @@ def test_revocation_record_is_coordinator_only():
     assert v.validate(rec(coord, cid))
     assert not v.validate(rec(forger, fid)) and v.rejections["coordinator"] == 1
     assert not v.validate(rec(forger, cid)) and v.rejections["signature"] == 1
-
-
-def test_revocation_refresh_must_fit_the_card_ttl():
-    from node.config import NodeConfig
-    with pytest.raises(ValueError, match="revocation_refresh_s"):
-        NodeConfig.model_validate({"security": {"revocation_refresh_s": 40}, "card": {"ttl_s": 30, "refresh_s": 10}})
