@@ -12,7 +12,7 @@
 #
 # Join a swarm (deploy/README.md has the whole operator guide):
 #   docker run -d --gpus all --shm-size=8g --stop-timeout 30 --restart on-failure:5 \
-#     -v swarmnode:/var/lib/swarmnode -p 31337:31337 -p 31337:31337/udp -p 50051:50051 -p 9400:9400 \
+#     -v swarmnode:/var/lib/swarmnode -p 31337:31337 -p 31337:31337/udp -p 50051:50051 -p 127.0.0.1:9400:9400 \
 #     -e SWARMNODE_DHT__INITIAL_PEERS='["/ip4/203.0.113.10/tcp/31337/p2p/12D3KooW..."]' \
 #     -e SWARMNODE_DHT__ANNOUNCE_MADDRS='["/ip4/198.51.100.7/tcp/31337"]' -e SWARMNODE_ADVERTISE_HOST=198.51.100.7 \
 #     swarmnode:dev run --role noloco --config /etc/swarmnode/noloco.toml

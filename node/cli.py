@@ -6,6 +6,7 @@ config tree (``--set section.key=value``, TOML, ``SWARMNODE_*`` env).
     swarmnode run --role noloco --initial-peers /ip4/203.0.113.10/tcp/31337/p2p/12D3KooW...
     swarmnode status --initial-peers /ip4/203.0.113.10/tcp/31337/p2p/12D3KooW... --json
     swarmnode identity init --path ./identity.key
+    swarmnode revoke --identity coordinator.key --run-id myrun --initial-peers MADDR --peer-id 12D3KooW...
 
 Exit codes: 0 clean stop (incl. drain), 1 unexpected error, 2 config/usage error, 3 identity
 error, 4 bootstrap gave up (``dht.bootstrap_deadline_s``), 130 second Ctrl-C.
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     admit.add_argument("--identity", required=True, help="the coordinator's Ed25519 key file")
     admit.add_argument("--run-id", required=True)
 
+    from node.revoke_cli import add_parser as add_revoke
+    add_revoke(sub)
+
     demo = sub.add_parser("demo", help="run a whole local swarm on 127.0.0.1")
     demo.add_argument("--role", default=None, help="worker role (default: noloco when installed, else bootstrap)")
     demo.add_argument("--nodes", type=int, default=None, help="number of worker nodes besides the bootstrap")
@@ -161,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "admit":
             from security.admission import cmd_admit
             return cmd_admit(args)
+        if args.cmd == "revoke":
+            from node.revoke_cli import cmd_revoke
+            return cmd_revoke(args)
         if args.cmd == "status":
             from node.status import cmd_status
             return cmd_status(args)

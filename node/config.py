@@ -151,6 +151,53 @@ class OpsConfig(_Section):
     port: int = Field(9400, ge=0, le=65535)
     """HTTP port for /metrics, /healthz, /readyz and /peerinfo. 0 picks a free one."""
 
+    host: str = "127.0.0.1"
+    """Where the ops port listens; it serves metrics and peer info, so it is private by default,
+    whatever ``host`` the node's DHT and gRPC use. An IP (``127.0.0.1``; an interface's private
+    IP for a Prometheus on your network), ``"private"`` (the address this machine's hostname
+    resolves to, e.g. a container's IP on its Docker network, plus 127.0.0.1 for the healthcheck;
+    refused at start when that address is public), or ``"host"`` (the node's ``host``, e.g.
+    0.0.0.0: only behind a firewall that keeps the port off the internet)."""
+
+    max_connections: int = Field(64, ge=4, le=4096)
+    """Ops connections open at once. A new one beyond it closes the connection that has waited
+    longest for its request, so idle sockets cannot lock Prometheus out. Raise it only when many
+    scrapers share a node and ``swarmnode_ops_connections_closed_total{reason="evicted"}`` grows
+    without anyone flooding."""
+
+    idle_timeout_s: float = Field(10.0, gt=0, le=300)
+    """Seconds a connection may stay open without delivering a complete request (and to read
+    its answer). Prometheus and the healthcheck send at once; raise it only for very slow links."""
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        import ipaddress
+        if v in ("private", "host"):
+            return v
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"ops.host {v!r} is not an IP address, 'private' or 'host'; use e.g. 127.0.0.1") \
+                from None
+        return v
+
+    def bind_hosts(self, node_host: str) -> list[str]:
+        """The addresses to listen on; ValueError (naming ``ops.host``) when ``private`` would be public."""
+        import ipaddress
+        if self.host == "host":
+            return [node_host]
+        if self.host != "private":
+            return [self.host]
+        addr = own_address()
+        if addr == "127.0.0.1":
+            return [addr]
+        if not ipaddress.ip_address(addr).is_private:
+            raise ValueError(f"ops.host = 'private', but this machine's hostname resolves to the public address "
+                             f"{addr}; set ops.host to a private interface IP (or 127.0.0.1) so /metrics and "
+                             "/peerinfo stay off the internet")
+        return [addr, "127.0.0.1"]
+
 
 class DrainConfig(_Section):
     budget_s: float = Field(20.0, gt=0)

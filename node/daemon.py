@@ -34,13 +34,16 @@ from node.netem import LinkEmulator
 from node.node_service import NodeServicer
 from node.ops_http import OpsServer
 from node.preemption import PreemptionWatcher
+from node.revocation_sync import RevocationSync
 from node.roles import NodeContext, load_role
 from node.supervisor import Supervisor
 from node.version import VERSION
 from protocol import node_pb2, node_pb2_grpc
-from security.admission import check_own_token, token_check
+from security.admission import AdmissionRejected, check_own_token, token_check
 from security.peer_auth import CallSigner, ClientAuth, PeerAuthenticator, set_client_auth
 from security.records import SignedRecordValidator
+from security.revocation import REVOKED, RevokedEntry
+from security.revocation_record import REVOKED_NAMESPACE
 
 log = logging.getLogger("swarmnode.daemon")
 
@@ -73,7 +76,8 @@ class Node:
         key, self.peer_id, key_path = ensure_identity(self.cfg.identity)
         set_context(peer_id=self.peer_id, role=self.cfg.role, run_id=self.cfg.run_id, state="joining")
         emit(log, "config_effective", "effective config", config=redacted(self.cfg), version=VERSION)
-        namespaces = [CARD_NAMESPACE, *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
+        namespaces = [CARD_NAMESPACE, REVOKED_NAMESPACE,
+                      *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
         sec = self.cfg.security
         self.key, self.admission_token = key, None
         self.admission = None  # our own token, checked: without a valid one the swarm refuses our card and calls
@@ -109,11 +113,23 @@ class Node:
         if sec.peer_auth == "none":
             set_client_auth(None)
             return CallGuard(cfg.limits), known
-        check = None
+        check, is_member = None, known.is_known
         if sec.admission == "token":
-            check = token_check(coordinator_peer_id=sec.coordinator_peer_id, run_id=cfg.run_id)
+            token_ok = token_check(coordinator_peer_id=sec.coordinator_peer_id, run_id=cfg.run_id)
+
+            def is_member(peer: str) -> bool:
+                """A live card, or a peer on the revocation list (whose card readers drop): it goes on
+                to the token check, so it hears that it was revoked rather than 'not a member'."""
+                return known.is_known(peer) or REVOKED.peer_entry(peer) is not None
+
+            def check(peer: str, blob: bytes | None):
+                tok = token_ok(peer, blob)  # a revoked token is refused here, saying so
+                if not known.is_known(peer):  # let in by the revocation hint: a valid token still needs a card
+                    raise AdmissionRejected(f"peer ...{peer[-8:]} is not a live member of run {cfg.run_id!r}; join "
+                                            "the swarm (publish a node card) first", "missing")
+                return tok
         auth = PeerAuthenticator(run_id=cfg.run_id, own_peer_id=self.peer_id, window_s=sec.clock_window_s,
-                                 is_known_peer=known.is_known, check_token=check, await_known=known.wait_known)
+                                 is_known_peer=is_member, check_token=check, await_known=known.wait_known)
         open_auth = PeerAuthenticator(run_id=cfg.run_id, own_peer_id=self.peer_id, window_s=sec.clock_window_s,
                                       nonce_cache=auth.nonces) if sec.public_state else None
         guard = CallGuard(cfg.limits, auth, open_auth=open_auth,
@@ -212,8 +228,13 @@ class Node:
                       "swarmnode.Node")
         for add_fn, servicer, name in self.role.services():
             self.grpc.add(add_fn, servicer, name)
-        self.ops = OpsServer(cfg.host, cfg.ops.port, self.lifecycle, self.health, self.peerinfo,
-                             details=lambda: {"eventbus": self.eventbus.status(), **ready_details.snapshot()})
+        try:
+            ops_hosts = cfg.ops.bind_hosts(cfg.host)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.ops = OpsServer(ops_hosts, cfg.ops.port, self.lifecycle, self.health, self.peerinfo,
+                             details=lambda: {"eventbus": self.eventbus.status(), **ready_details.snapshot()},
+                             max_connections=cfg.ops.max_connections, idle_timeout_s=cfg.ops.idle_timeout_s)
         self.lifecycle.subscribe(metrics.follow_lifecycle)
         self.lifecycle.subscribe(lambda s, r, d: set_context(state=s.value))
         self.lifecycle.subscribe(self.grpc.on_state)
@@ -234,6 +255,12 @@ class Node:
         self.supervisor.spawn("eventbus", self.eventbus.run, restart=False)  # never fatal: see service.py
         if self.admission is not None:
             self.supervisor.spawn("admission", self._admission_expiry, restart=False)
+        if cfg.security.admission == "token":
+            sync = RevocationSync(lambda: self.membership.dht, cfg.run_id, cfg.security.coordinator_peer_id,
+                                  self.peer_id, self.admission.serial if self.admission is not None else None,
+                                  min(cfg.security.revocation_refresh_s, cfg.card.ttl_s / 2), cfg.state_dir,
+                                  self._revoked)
+            self.supervisor.spawn("revocations", sync.run)
         await self.role.start()
         await self._refresh_readiness()
         await self._stop.wait()
@@ -249,6 +276,14 @@ class Node:
              level=logging.ERROR, peer=self.peer_id, expires_at=self.admission.expires_at)
         self._exit_code = EXIT_CONFIG
         self.request_drain("admission_expired")
+
+    def _revoked(self, entry: RevokedEntry) -> None:
+        """Token mode: the coordinator revoked our token; peers now refuse our cards and calls."""
+        emit(log, "admission_revoked", "admission revoked: {what}; peers now refuse this node's card and calls. Ask "
+             "the coordinator for a new token (`swarmnode admit --peer-id {peer}`) before restarting (exit 2)",
+             level=logging.ERROR, what=entry.describe(), peer=self.peer_id, serial=entry.serial, reason=entry.reason)
+        self._exit_code = EXIT_CONFIG
+        self.request_drain("admission_revoked")
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()

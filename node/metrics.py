@@ -50,6 +50,13 @@ GRPC_HANDLING_SECONDS = Histogram("swarmnode_grpc_server_handling_seconds", "gRP
                                   ["service", "method"], registry=REGISTRY)
 TRANSFER_BYTES = Counter("swarmnode_transfer_bytes_total", "Bytes of tensor streams sent or received.",
                          ["direction", "kind"], registry=REGISTRY)
+OPS_CONNECTIONS = Gauge("swarmnode_ops_connections", "Connections open on the ops HTTP port (capped by "
+                        "ops.max_connections).", registry=REGISTRY)
+OPS_CONNECTIONS_CLOSED = Counter("swarmnode_ops_connections_closed_total", "Ops HTTP connections closed, by why: "
+                                 "answered, idle_timeout, evicted (over ops.max_connections), bad_request, "
+                                 "client_closed.", ["reason"], registry=REGISTRY)
+REVOKED_TOKENS = Gauge("swarmnode_admission_revoked", "Entries (serials and peer IDs) in the run's revocation "
+                       "list as this node last read it (token mode).", registry=REGISTRY)
 RPC_REJECTED = Counter("swarmnode_rpc_rejected_total", "Requests rejected before handling.", ["reason"],
                        registry=REGISTRY)
 TENSORS_REJECTED = Counter("swarmnode_tensors_rejected_total", "Received tensors rejected.", ["reason"],

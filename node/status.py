@@ -30,11 +30,14 @@ class StatusError(Exception):
 
 
 def _local(args: argparse.Namespace) -> int:
-    port = args.metrics_port
+    port, host = args.metrics_port, "127.0.0.1"
     if port is None:
         from node.config import load_config
-        port = load_config(args.config).ops.port
-    url = f"http://127.0.0.1:{port}/readyz"
+        ops = load_config(args.config).ops
+        port = ops.port
+        if ops.host not in ("private", "host", "0.0.0.0", "::"):
+            host = ops.host  # the ops port listens only there (ops.host)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/readyz"
     try:
         with urllib.request.urlopen(url, timeout=3) as resp:
             body = json.loads(resp.read())
@@ -197,8 +200,10 @@ class SwarmReader:
 
         from node.card import CARD_NAMESPACE
         from security.records import SignedRecordValidator
+        from security.revocation_record import REVOKED_NAMESPACE
 
-        validator = SignedRecordValidator(self.run_id, None, [CARD_NAMESPACE], coordinator_peer_id=self.coordinator,
+        validator = SignedRecordValidator(self.run_id, None, [CARD_NAMESPACE, REVOKED_NAMESPACE],
+                                          coordinator_peer_id=self.coordinator,
                                           require_admission=self.coordinator is not None)
         try:
             self.dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
@@ -211,8 +216,17 @@ class SwarmReader:
         return self
 
     def read(self) -> list:
+        """The live cards; in token mode without those of peers the coordinator revoked."""
         from node.card import read_cards
-        return asyncio.run(read_cards(self.dht, self.run_id, timeout=self.timeout))
+
+        async def both() -> list:
+            if self.coordinator is not None:
+                from node.revocation_sync import read_revocations
+                from security.revocation import REVOKED
+                found, _ = await read_revocations(self.dht, self.run_id, self.coordinator, timeout=self.timeout)
+                REVOKED.update(found.entries if found is not None else ())
+            return await read_cards(self.dht, self.run_id, timeout=self.timeout)
+        return asyncio.run(both())
 
     def __exit__(self, *exc: Any) -> None:
         if self.dht is not None:

@@ -33,6 +33,7 @@ from google.protobuf.message import DecodeError
 from protocol.admission_pb2 import AdmissionToken as _TokenPb
 from protocol.admission_pb2 import SignedAdmissionToken as _SignedPb
 from security.keys import RecordRejected, peer_id_str, public_key_of, verify
+from security.revocation import REVOKED, Revocations
 
 __all__ = [
     "AdmissionToken", "AdmissionRejected", "REASONS", "DEFAULT_TTL_S", "MAX_TOKEN_BYTES",
@@ -123,11 +124,13 @@ def decode_token(blob: bytes) -> tuple[AdmissionToken, bytes, bytes]:
 
 def verify_token(blob: bytes, *, coordinator_peer_id: str, run_id: str, peer_id: str,
                  role: str | None = None, now: float | None = None,
-                 revoked_serials: Iterable[int] = ()) -> AdmissionToken:
+                 revoked_serials: Iterable[int] = (), revocations: Revocations | None = REVOKED) -> AdmissionToken:
     """Return the token if it admits ``peer_id`` to ``run_id`` (in ``role``) at ``now``.
 
     Checks, in order: size and strict encoding -> coordinator signature -> run -> peer ->
-    not_before -> expires_at -> role -> revocation. Raises :class:`AdmissionRejected`.
+    not_before -> expires_at -> role -> revocation (``revoked_serials`` and ``revocations``, by
+    default this process's view of the coordinator's list, ``security/revocation.py``: every
+    caller honours a revocation without being told). Raises :class:`AdmissionRejected`.
     """
     tok, body, sig = decode_token(blob)
     try:
@@ -154,6 +157,10 @@ def verify_token(blob: bytes, *, coordinator_peer_id: str, run_id: str, peer_id:
         raise AdmissionRejected(f"admission token allows roles {list(tok.roles)}, not {role!r}", "role")
     if tok.serial in set(revoked_serials):
         raise AdmissionRejected(f"admission token serial {tok.serial} is revoked", "revoked")
+    hit = revocations.check(tok.serial, tok.peer_id) if revocations is not None else None
+    if hit is not None:
+        raise AdmissionRejected(f"admission token of ...{tok.peer_id[-8:]} was revoked: {hit.describe()}; ask the "
+                                "coordinator for a new token (`swarmnode admit`)", "revoked")
     return tok
 
 
@@ -249,6 +256,7 @@ def cmd_admit(args: argparse.Namespace) -> int:
         print(f"swarmnode admit: {exc}", file=sys.stderr)
         return 2
     print(encode_b64(blob))
+    serial = decode_token(blob)[0].serial
     print(f"# coordinator {peer_id_str(key)} admits ...{args.peer_id[-8:]} to run {args.run_id!r} until "
-          f"{_iso(expires_at)}", file=sys.stderr)
+          f"{_iso(expires_at)}; serial {serial} (for `swarmnode revoke --serial`)", file=sys.stderr)
     return 0

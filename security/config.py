@@ -52,6 +52,13 @@ class SecurityConfig(_Section):
     admission_token_file: str | None = None
     """File holding this node's admission token (base64). Used when ``admission_token`` is unset."""
 
+    revocation_refresh_s: float = Field(10.0, gt=0, le=60)
+    """Token mode: how often the node re-reads the coordinator's revocation list
+    (``swarmnode revoke``). A revoked peer is refused everywhere within about this plus
+    ``known_peers_refresh_s``. The node uses at most half of ``card.ttl_s``, so a revocation is
+    always honoured within one card lifetime. Lower it for faster revocation, at one DHT read
+    per period per node."""
+
     public_state: bool = False
     """Serve the model state (``WeightService.Fetch``) to any authenticated caller. Off: in token
     mode only admitted peers may download it, in open mode only peers with a live card."""

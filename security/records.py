@@ -52,6 +52,7 @@ from hivemind.utils import get_dht_time
 from pydantic import BaseModel
 
 from security.keys import RecordRejected, peer_id_str, public_key_of
+from security.revocation import REVOKED
 
 __all__ = [
     "RECORD_TAG", "REASONS", "Namespace", "SignedRecordValidator", "Ed25519PeerIdValidator",
@@ -148,8 +149,10 @@ def decode_payload(value: Any, model: type[M], *, key: str | None = None) -> M:
 def read_entries(entries: Any, model: type[M], *, key: str, max_entries: int = 256) -> dict[str, M]:
     """``{peer_id: payload}`` from ``dht.get(key).value`` (subkey -> ValueWithExpiration).
 
-    Skips entries whose subkey is not an Ed25519 peer ID or whose value is not ours; reads at
-    most ``max_entries`` (readers cap the subkeys they consume per key)."""
+    Skips entries whose subkey is not an Ed25519 peer ID or whose value is not ours, and those
+    of writers the coordinator revoked (``security.revocation.REVOKED``: by peer ID, or by the
+    serial of the admission token the record carries); reads at most ``max_entries`` (readers
+    cap the subkeys they consume per key)."""
     out: dict[str, M] = {}
     if not isinstance(entries, Mapping):
         return out
@@ -161,10 +164,31 @@ def read_entries(entries: Any, model: type[M], *, key: str, max_entries: int = 2
             continue
         try:
             public_key_of(subkey)
-            out[subkey] = decode_payload(value, model, key=key)
+            payload = decode_payload(value, model, key=key)
         except RecordRejected:
             continue
+        if len(REVOKED) and _revoked_writer(subkey, value):
+            continue
+        out[subkey] = payload
     return out
+
+
+def _revoked_writer(writer: str, value: Any) -> bool:
+    """Was ``writer``'s record written under a revoked token (or is the writer revoked)?"""
+    serial = None
+    env = value if isinstance(value, Mapping) else _unpack_envelope(bytes(value)) if isinstance(
+        value, (bytes, bytearray)) else None
+    token = env.get("t") if isinstance(env, Mapping) else None
+    if isinstance(token, bytes):
+        from security.admission import AdmissionRejected, decode_token
+        try:
+            serial = decode_token(token)[0].serial
+        except AdmissionRejected:
+            serial = None
+    hit = REVOKED.check(serial, writer)
+    if hit is not None and hit.serial is not None:
+        REVOKED.note_writer(writer, hit)  # so its calls are refused by name too
+    return hit is not None
 
 
 def _unpack_envelope(raw: bytes) -> dict | None:
@@ -313,8 +337,11 @@ class SignedRecordValidator(RecordValidatorBase):
             raise _Reject("admission", f"record in {ns.name!r} by ...{writer[-8:]} carries no admission token "
                                        "(this run is in token mode)")
         try:
+            # revocations=None: the validator never refuses a record for a revoked token. hivemind drops a
+            # whole subkey dictionary (every card) on a lookup when one entry fails, so revoked writers are
+            # dropped by the readers instead (read_entries), which every node does after its next refresh
             tok = verify_token(token, coordinator_peer_id=self.coordinator_peer_id, run_id=self.run_id,
-                               peer_id=writer, now=min(get_dht_time(), expiration_time))
+                               peer_id=writer, now=min(get_dht_time(), expiration_time), revocations=None)
         except AdmissionRejected as exc:
             raise _Reject("admission", f"record in {ns.name!r} by ...{writer[-8:]}: {exc}") from None
         if expiration_time > tok.expires_at + EXPIRATION_SLACK_S:
@@ -369,7 +396,8 @@ class SignedRecordValidator(RecordValidatorBase):
         if env is None or "s" not in env or not isinstance(env.get("k"), str) \
                 or not env["k"].startswith(self._prefix):
             return record.value
-        return msgpack.packb({k: v for k, v in env.items() if k not in ("s", "t")}, use_bin_type=True)
+        # the token ("t", verified by validate) stays: readers check it against the revocation list
+        return msgpack.packb({k: v for k, v in env.items() if k != "s"}, use_bin_type=True)
 
 
 Ed25519PeerIdValidator = SignedRecordValidator  # an older name, kept for callers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -119,3 +120,93 @@ def test_stop_releases_port():
     again = OpsServer("127.0.0.1", port, Lifecycle(), lambda: (True, "ok"), lambda: {})
     again.start()
     again.stop()
+
+
+def _raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_idle_connections_are_capped_and_probes_still_answer():
+    import threading
+    srv = OpsServer("127.0.0.1", 0, Lifecycle(), lambda: (True, "ok"), lambda: {}, max_connections=8,
+                    idle_timeout_s=30)
+    srv.start()
+    threads0 = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(100)]
+    try:
+        assert get(srv.port, "/healthz")[0] == 200  # evicts the longest-waiting idle one
+        assert srv.open_connections <= 8
+        assert threading.active_count() == threads0
+        closed = 0
+        for s in idle:  # the node closed all but the newest few: their reads end at once
+            s.settimeout(0.05)
+            try:
+                closed += s.recv(1) == b""
+            except ConnectionError:
+                closed += 1
+            except TimeoutError:
+                pass  # still open: one of the newest
+        assert closed >= 100 - 8
+    finally:
+        for s in idle:
+            s.close()
+        srv.stop()
+
+
+def test_idle_timeout_closes_a_silent_connection():
+    srv = OpsServer("127.0.0.1", 0, Lifecycle(), lambda: (True, "ok"), lambda: {}, idle_timeout_s=0.3)
+    srv.start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\n")  # never finishes its head
+            t0 = time.monotonic()
+            assert s.recv(1) == b""
+            assert time.monotonic() - t0 < 3
+        assert srv.open_connections == 0
+    finally:
+        srv.stop()
+
+
+def test_only_get_and_bounded_heads():
+    srv = OpsServer("127.0.0.1", 0, Lifecycle(), lambda: (True, "ok"), lambda: {})
+    srv.start()
+    try:
+        out = _raw(srv.port, b"POST /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 405") and b"read-only" in out
+        out = _raw(srv.port, b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400") and b"8192" in out
+        assert _raw(srv.port, b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400")
+        assert get(srv.port, "/healthz")[0] == 200
+    finally:
+        srv.stop()
+
+
+def test_two_addresses_one_port():
+    srv = OpsServer(["127.0.0.1", "127.0.0.2"], 0, Lifecycle(), lambda: (True, "ok"), lambda: {})
+    srv.start()
+    try:
+        for host in ("127.0.0.1", "127.0.0.2"):
+            with urllib.request.urlopen(f"http://{host}:{srv.port}/healthz", timeout=5) as resp:
+                assert resp.status == 200
+    finally:
+        srv.stop()
+
+
+def test_ops_host_config(monkeypatch):
+    import node.config as config
+    from node.config import OpsConfig
+
+    assert OpsConfig().host == "127.0.0.1" and OpsConfig().bind_hosts("0.0.0.0") == ["127.0.0.1"]
+    assert OpsConfig(host="host").bind_hosts("0.0.0.0") == ["0.0.0.0"]
+    with pytest.raises(ValueError, match="ops.host"):
+        OpsConfig(host="metrics.example")
+    monkeypatch.setattr(config, "own_address", lambda: "172.18.0.5")
+    assert OpsConfig(host="private").bind_hosts("0.0.0.0") == ["172.18.0.5", "127.0.0.1"]
+    monkeypatch.setattr(config, "own_address", lambda: "34.120.1.2")
+    with pytest.raises(ValueError, match="public address 34.120.1.2"):
+        OpsConfig(host="private").bind_hosts("0.0.0.0")
