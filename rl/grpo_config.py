@@ -178,11 +178,15 @@ class GRPOConfig(RunSettings):
     """Sampling temperature T; also the temperature of the learner's re-scoring. A batch
     sampled at another T is refused (its log-probs describe another distribution)."""
 
-    top_k: int = Field(0, ge=0)
-    """Top-k sampling (0 = off)."""
+    top_k: int = Field(50, ge=0)
+    """Top-k sampling (0 = off). It is also the support the logit check tests every same-model
+    token against (a token ranked k-th or lower is off-support): the HTTT paper's k = 50. With
+    ``top_k = 0`` and ``top_p = 1.0`` that test is empty and only the probability floor and the
+    claimed-log-prob check remain. Lower k (or top_p < 1) narrows the support (more poison caught,
+    more honest drift flagged: watch ``swarmnode_grpo_rollouts_rejected_total{reason="logit_check"}``)."""
 
     top_p: float = Field(1.0, gt=0, le=1.0)
-    """Nucleus sampling (1.0 = off)."""
+    """Nucleus sampling (1.0 = off); below 1 it also narrows the logit check's support."""
 
     max_completion_tokens: int = Field(24, ge=1, le=1024)
     """Cap on a completion's length (tokens); longer foreign completions are refused, own ones
@@ -215,8 +219,23 @@ class GRPOConfig(RunSettings):
     peers' better samples."""
 
     delta: float = Field(0.5, gt=0)
-    """F-TIS KL threshold: a foreign sample with negative advantage and KL(gen || local) above
-    this is dropped. Lower: more filtering."""
+    """F-TIS KL threshold of the ``token_mean`` statistic (nats per token): a sample with negative
+    advantage and mean_t (gen_logp - local) above this is dropped. Lower: more filtering. Watch
+    ``swarmnode_grpo_ftis_filtered_fraction``: near 0 with a falling reward means it filters too
+    little."""
+
+    kl_stat: Literal["token_mean", "sequence"] = "token_mean"
+    """Which KL statistic the F-TIS filter thresholds (both are logged and exported):
+    ``token_mean`` (ours, threshold ``delta``): the mean over the completion's tokens, the same
+    scale at any length; ``sequence`` (the F-TIS paper's, threshold ``g``): the sum over its
+    tokens, so long completions are filtered sooner. Use ``sequence`` with long completions (the
+    paper's reasoning traces, hundreds of tokens) to follow the paper; ``token_mean`` keeps short
+    completions (the embedded demo's ~10 tokens) filterable with one knob."""
+
+    g: float = Field(50.0, gt=0)
+    """F-TIS KL threshold of the ``sequence`` statistic (nats per completion): the paper's g = 50
+    (ablated over 5, 10, 50, 100). At ~10-token completions 50 nats is 5 nats per token: it then
+    filters almost nothing (see docs/grpo.md, 'F-TIS'); lower it (5-10) for short completions."""
 
     lr: float = Field(2e-4, gt=0)
     """Adam learning rate of the GRPO step. For the embedded demo models 1e-3 overshoots in one

@@ -102,6 +102,7 @@ class TrainStats:
     seconds: float
     rejected_by: dict = field(default_factory=dict)       # reason -> foreign rows dropped by the defense
     foreign_tokens: dict = field(default_factory=dict)    # sender -> tokens of its rows in the loss
+    kl_seq_foreign: float = 0.0                           # mean per-sequence KL of foreign samples
 
 
 Filter = Callable[[Mixed, Tensor], Tensor]
@@ -339,7 +340,8 @@ class Learner:
         for step in range(cfg.steps_per_round):
             if step:
                 lp = self.rescore(m)
-            res = ftis_loss(lp, gen_logp, tmask, rewards, group, foreign_flag, FTISParams(cfg.mode, cfg.C, cfg.delta),
+            res = ftis_loss(lp, gen_logp, tmask, rewards, group, foreign_flag,
+                            FTISParams(cfg.mode, cfg.C, cfg.delta, cfg.kl_stat, cfg.g),
                             exclude=dropped, old_logp=old, scale_rewards=cfg.scale_rewards, agg=cfg.loss_agg,
                             n_slots=slots, eps_lo=cfg.epsilon, eps_hi=cfg.epsilon_high)
             if step == 0:
@@ -358,4 +360,4 @@ class Learner:
                           sum(fr) / len(fr) if fr else None, n_local, len(fr), len(set(m.senders[n_local:])),
                           st.filtered, st.filtered_frac, int(dropped.sum()), st.weight_mean, st.truncated_frac,
                           st.kl_foreign_mean, int(tmask.sum()), time.perf_counter() - t0, rejected_by,
-                          foreign_tokens)
+                          foreign_tokens, st.kl_seq_foreign_mean)
