@@ -72,7 +72,7 @@ BANS = Counter("swarmnode_grpo_sender_bans_total",
 MARKER_RATE = Gauge("swarmnode_grpo_attack_marker_rate",
                     "Share of this peer's held-out completions containing a known attack marker (last evaluation).",
                     registry=REGISTRY)
-JUDGE_CALLS = Counter("swarmnode_grpo_judge_calls_total", "Judge verdicts, by outcome (safe, unsafe, cached).",
+JUDGE_CALLS = Counter("swarmnode_grpo_judge_calls_total", "Judge verdicts, by outcome (safe, unsafe, unparsed, cached).",
                       ["outcome"], registry=REGISTRY)
 
 # Every label value a dashboard or alert expects exists from the start (at 0): rate() and
