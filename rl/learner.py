@@ -108,6 +108,17 @@ class TrainStats:
 Filter = Callable[[Mixed, Tensor], Tensor]
 
 
+def apply_rejections(dropped: Tensor, rejected: Tensor, rule: str) -> tuple[Tensor, Tensor]:
+    """(rows excluded from advantages and loss, rows kept with reward 0) after the content checks
+    rejected ``rejected`` [N] bool: ``drop`` excludes them, ``zero_reward`` (HTTT's reward x
+    verdict) keeps them in their groups with reward 0 (``grpo.defense.reject_rule``)."""
+    if rule == "zero_reward":
+        return dropped, rejected & ~dropped
+    if rule == "drop":
+        return dropped | rejected, torch.zeros_like(rejected)
+    raise ValueError(f"grpo.defense.reject_rule {rule!r}; use 'drop' or 'zero_reward'")
+
+
 class Learner:
     """A policy, its optimizer and the round logic (see the module docstring)."""
 
@@ -329,13 +340,16 @@ class Learner:
         for f in self.filters:
             dropped |= ~f(m, lp.detach()).to(dev) & m.foreign.to(dev)
         rejected_by: dict[str, int] = {}
+        zeroed = torch.zeros_like(dropped)
         if self.defense is not None:
             bad, rejected_by = self.defense.check(g.round, m, lp.detach())
-            dropped |= bad.to(dev) & m.foreign.to(dev)
+            dropped, zeroed = apply_rejections(dropped, bad.to(dev) & m.foreign.to(dev),
+                                               self.defense.dcfg.reject_rule)
         tmask = self.train_mask(m).to(dev)
         B = len(g.prompts)
         slots = B * (cfg.completions_per_prompt + (0 if cfg.mode == "solo" else cfg.foreign_per_prompt))
         rewards, group, foreign_flag = torch.tensor(m.rewards, device=dev), m.group.to(dev), m.foreign.to(dev)
+        rewards = rewards.masked_fill(zeroed, 0.0)       # the reward multiplier rule: reward x verdict
         gen_logp, old = m.gen_logp.to(dev), None
         for step in range(cfg.steps_per_round):
             if step:
@@ -358,6 +372,6 @@ class Learner:
             foreign_tokens[m.senders[i]] = foreign_tokens.get(m.senders[i], 0) + int(used[i])
         return TrainStats(g.round, float(first.loss.loss.detach()), sum(g.rewards) / max(n_local, 1),
                           sum(fr) / len(fr) if fr else None, n_local, len(fr), len(set(m.senders[n_local:])),
-                          st.filtered, st.filtered_frac, int(dropped.sum()), st.weight_mean, st.truncated_frac,
+                          st.filtered, st.filtered_frac, int((dropped | zeroed).sum()), st.weight_mean, st.truncated_frac,
                           st.kl_foreign_mean, int(tmask.sum()), time.perf_counter() - t0, rejected_by,
                           foreign_tokens, st.kl_seq_foreign_mean)
