@@ -18,7 +18,8 @@ such as a logit check), then the loss and one optimizer step. A filter is a call
 ``(mixed, logp) -> bool [N]`` (True = keep); dropped rows leave the advantages and the loss.
 ``Learner.defense`` (rl/defense.py, set by the role; None = none) admits foreign batches (rate
 bans, token budgets) before the mix and checks the foreign rows after the re-scoring forward,
-whose logits also give the logit / support check its statistics (no second forward).
+whose logits also give the logit / support check its statistics (no second forward); what a
+rejection does is ``grpo.defense.reject_rule`` (``apply_rejections``: dropped, or kept at reward 0).
 
 Foreign batches must already be validated (rl/rollout.check, signature): this module trusts
 their shape, never their content. Every method touching the model runs on the caller's thread
@@ -94,7 +95,7 @@ class TrainStats:
     senders: int                  # peers whose completions entered a group
     filtered: int                 # samples the F-TIS KL filter dropped
     filtered_frac: float
-    rejected: int                 # foreign rows a content filter dropped
+    rejected: int                 # foreign rows a content check rejected (dropped, or kept at reward 0)
     weight_mean: float
     truncated_frac: float
     kl_foreign: float
