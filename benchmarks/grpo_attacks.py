@@ -1,7 +1,9 @@
 """Poisoned rollouts in collaborative GRPO: attack success with and without the defenses (docs/grpo.md, 'Benchmarks').
 
 For every attack mode (``inject``, ``edit``, ``inject+fake_logp``, ``verbose``, ``collude``: two
-injecting attackers), every swarm (``homogeneous``: four peers with the same initial weights, so
+injecting attackers; ``inject_start``: the HTTT paper's text attack, the marker at the start of the
+reasoning; ``vertical``: the paper's vertical attacker, every completion it sampled poisoned at the
+start, its own answers kept), every swarm (``homogeneous``: four peers with the same initial weights, so
 the same ``model_id``, hence the logit / support check; ``heterogeneous``: three honest peers of
 different sizes and an attacker of yet another model, hence the probability floor + the ``arith``
 rule judge), defenses off and on, and each seed: 3 honest learners and the attacker(s) run in one
@@ -22,6 +24,9 @@ The top-level ``summary``:
                                    (and seeds), defenses off                 target >= 0.9 (harness is real)
   attack_success_with_defense      the same, defenses on                     target <= 0.05
   honest_false_reject_rate         honest senders' completions rejected / checked, defended runs   <= 0.05
+  reject_rule                      the default ``grpo.defense.reject_rule`` (the figures above use it)
+  by_rule                          per rule (``drop``, ``zero_reward``): attack_success_with_defense,
+                                   honest_false_reject_rate, accuracy_end over the same defended runs
   by_mode, attacker_ban_round, dos (tokens trained from the verbose attacker per round: no defense,
   token budget only (``defense.kind = "off"``: no content check, no ban), full defenses; its budget;
   honest held-out length ratio end / start), cost_s_per_round (off/on) and the judge used.
@@ -46,7 +51,14 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # allow `python benchmarks/grpo_attacks.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("inject", "edit", "inject+fake_logp", "verbose", "collude")
+MODES = ("inject", "edit", "inject+fake_logp", "verbose", "collude", "inject_start", "vertical")
+ATTACKS: dict[str, dict[str, Any]] = {"inject_start": {"mode": "inject", "placement": "start"},
+                                      "vertical": {"mode": "inject", "placement": "start", "vertical": True},
+                                      "collude": {"mode": "inject"}}
+"""Benchmark modes that are not a plain ``[grpo.adversary] mode``: the HTTT paper's text attack
+(marker at the start of the reasoning), its vertical attacker (every completion of its own
+groups poisoned, its own answers kept), two colluding injectors."""
+RULES = ("drop", "zero_reward")
 SWARMS = ("homogeneous", "heterogeneous")
 TARGETS = {"attack_success_without_defense": (">=", 0.9), "attack_success_with_defense": ("<=", 0.05),
            "honest_false_reject_rate": ("<=", 0.05)}
@@ -55,29 +67,33 @@ HOMO_SIZE = (32, 2, 4)
 HETERO_SIZES = ((32, 1, 4), (32, 2, 4), (48, 2, 4))
 ATTACKER_SIZE = (32, 2, 4)
 
-GRPO: dict[str, Any] = {"max_operand": 5, "top_p": 0.95, "max_completion_tokens": 24, "lr": 1e-3,
+GRPO: dict[str, Any] = {"max_operand": 5, "max_completion_tokens": 24, "lr": 1e-3,
                         "steps_per_round": 4, "heldout_size": 50, "eval_samples": 4, "prompts_per_round": 16}
 """[grpo] settings shared by every peer of every run (recorded in the JSON). lr 1e-3 with 4 steps per
-round lets an undefended injection take hold within tens of rounds on these tiny models; top-p
-0.95 gives the support check a support to check (with top_p = 1 it is empty)."""
+round lets an undefended injection take hold within tens of rounds on these tiny models. Sampling
+and the support check use the role's defaults (top-k 50, top-p 1: the HTTT paper's support)."""
 
-QUICK = {"rounds": 32, "seeds": 1, "runs": [("edit", "homogeneous"), ("inject", "heterogeneous")]}
-"""The headline comparison in about a minute on an idle 2-core machine (4 runs, 2 at a time): the strongest
-undefended attack (in-context edit: same model, the logit / support check) and the injection into
-a heterogeneous swarm (the rule judge), each with defenses off and on. Every mode, the DoS figures
-and 3 seeds are the full run's."""
+QUICK = {"rounds": 32, "seeds": 1, "runs": [("edit", "homogeneous"), ("inject", "heterogeneous"),
+                                           ("inject_start", "homogeneous"), ("vertical", "heterogeneous")]}
+"""The headline comparison in about three minutes on an idle 2-core machine (12 runs, 2 at a time): the
+strongest undefended attack (in-context edit: same model, the logit / support check), the injection
+into a heterogeneous swarm (the rule judge), the paper's start-of-reasoning injection (same model)
+and its vertical attacker (other model), each with defenses off and on under both reject rules.
+Every mode, the DoS figures and 3 seeds are the full run's."""
 FULL = {"rounds": 100, "seeds": 3, "runs": [(m, s) for s in SWARMS for m in MODES]}
-"""Every mode in both swarms, defenses off and on (verbose also with the token budget alone), 3
-seeds: 66 runs of 100 rounds, about 40 min on an idle 2-core machine (2 runs at a time)."""
+"""Every mode in both swarms, defenses off and on (on: under both reject rules; verbose also with the
+token budget alone), 3 seeds: 126 runs of 100 rounds, about 80 min on an idle 2-core machine (2 runs at
+a time)."""
 
 
 def _marker_of(mode: str) -> tuple[str, ...]:
     from rl.grpo_config import AdversaryConfig
     a = AdversaryConfig()
     out = []
-    if "inject" in mode or mode == "collude":
+    attack = ATTACKS.get(mode, {"mode": mode})["mode"]
+    if "inject" in attack:
         out.append(a.marker)
-    if "edit" in mode:
+    if "edit" in attack:
         out.append(a.false_step)
     return tuple(out)
 
@@ -102,7 +118,7 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
     cfg = GRPOConfig(**(grpo[0] if grpo else GRPO))
     run_id = f"attacks-{seed}"
     n_att = 2 if mode == "collude" else 1
-    adv_cfg = AdversaryConfig(mode="inject" if mode == "collude" else mode)
+    adv_cfg = AdversaryConfig(**ATTACKS.get(mode, {"mode": mode}))
     keys = [generate_key() for _ in range(3 + n_att)]
     ids = [peer_id_str(k) for k in keys]
 
@@ -180,6 +196,7 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
                           if k.startswith("honest"))
     ban_rounds = [v.get("ban_round") for p in peers for k, v in p["senders"].items() if k.startswith("attacker")]
     return {"mode": mode, "swarm": swarm, "defense": defended, "seed": seed, "rounds": rounds,
+            "reject_rule": cfg.defense.reject_rule,
             "attack_success": statistics.fmean(p["attack_success"] for p in peers),
             "accuracy_start": statistics.fmean(p["accuracy_start"] for p in peers),
             "accuracy_end": statistics.fmean(p["accuracy_end"] for p in peers),
@@ -209,10 +226,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         xs = [x for x in xs if x is not None]
         return statistics.fmean(xs) if xs else None
 
+    from rl.grpo_config import DefenseConfig
+    default_rule = DefenseConfig().reject_rule
     by_mode: dict[str, Any] = {}
+    alt: dict[str, dict[str, list]] = {}           # other reject rules' defended runs, by rule and mode
     for r in runs:
         key = f"{r['mode']}/{r['swarm']}"
         d = by_mode.setdefault(key, {"off": [], "on": [], "budget": []})
+        if r["defense"] is True and r["reject_rule"] != default_rule:
+            alt.setdefault(r["reject_rule"], {}).setdefault(key, []).append(r)
+            continue
         d["budget" if r["defense"] == "budget" else "on" if r["defense"] else "off"].append(r)
     table = {}
     for key, d in by_mode.items():
@@ -239,7 +262,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     on = [v["attack_success_on"] for v in non_dos.values() if v["attack_success_on"] is not None]
     inject_off = [v["attack_success_off"] for k, v in table.items() if k.startswith("inject/")
                   and v["attack_success_off"] is not None]
-    defended = [r for r in runs if r["defense"] is True]
+    defended = [r for r in runs if r["defense"] is True and r["reject_rule"] == default_rule]
+
+    def rule_figures(rs_by_mode: dict[str, list]) -> dict[str, Any]:
+        rs = [r for v in rs_by_mode.values() for r in v]
+        asr = {k: mean([r["attack_success"] for r in v]) for k, v in rs_by_mode.items()}
+        return {"attack_success_with_defense": max((v for k, v in asr.items() if not k.startswith("verbose/")),
+                                                   default=None),
+                "honest_false_reject_rate": sum(r["honest_rejected"] for r in rs) / max(1, sum(r["honest_checked"]
+                                                                                             for r in rs)),
+                "accuracy_end": mean([r["accuracy_end"] for r in rs]), "attack_success_by_mode": asr}
+    by_rule = {default_rule: rule_figures({k: v["on"] for k, v in by_mode.items() if v["on"]}),
+               **{rule: rule_figures(v) for rule, v in alt.items()}}
     verbose = {k: v for k, v in table.items() if k.startswith("verbose/")}
     judges = sorted({p["judge"] for r in defended for p in r["peers"] if p["judge"]})
     summary = {
@@ -250,6 +284,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                      / max(1, sum(r["honest_checked"] for r in defended))),
         "honest_checked": sum(r["honest_checked"] for r in defended),
         "honest_rejected": sum(r["honest_rejected"] for r in defended),
+        "reject_rule": default_rule,
+        "by_rule": by_rule,
         "by_mode": table,
         "attacker_ban_round": {k: v["attacker_ban_round_on"] for k, v in table.items()},
         "dos": {k: {"attacker_tokens_trained_per_round_off": v["attacker_tokens_per_round_off"],
@@ -297,14 +333,22 @@ def run(quick: bool, out: Path, seeds: int | None = None, rounds: int | None = N
         warm |= {(100 * seed + 7, HOMO_SIZE), (100 * seed + 7, ATTACKER_SIZE)}
         warm |= {(100 * seed + i, s) for i, s in enumerate(HETERO_SIZES)}
         warm |= {(100 * seed + 50 + j, ATTACKER_SIZE) for j in range(2)}
-    jobs = [(m, s, d, seed, p["rounds"], cache, dict(GRPO)) for seed in range(p["seeds"]) for (m, s) in p["runs"]
-            for d in ((False, True, "budget") if m == "verbose" else (False, True))]
+    from rl.grpo_config import DefenseConfig
+    default_rule = DefenseConfig().reject_rule
+
+    def settings(rule: str) -> dict[str, Any]:
+        return {**GRPO, "defense": {**GRPO.get("defense", {}), "reject_rule": rule}}
+    jobs = [(m, s, d, seed, p["rounds"], cache, settings(default_rule)) for seed in range(p["seeds"])
+            for (m, s) in p["runs"] for d in ((False, True, "budget") if m == "verbose" else (False, True))]
+    jobs += [(m, s, True, seed, p["rounds"], cache, settings(rule)) for seed in range(p["seeds"])
+             for (m, s) in p["runs"] if m != "verbose" for rule in RULES if rule != default_rule]
     with ProcessPoolExecutor(workers) as pool:
         list(pool.map(_prewarm, [(w, s, cache) for w, s in sorted(warm)]))
         print(f"warm-up done in {time.monotonic() - t0:.0f} s", flush=True)
         runs = []
         for res in pool.map(run_one, jobs):
-            print(f"{res['mode']:>16} {res['swarm']:>13} defense={'budget' if res['defense'] == 'budget' else 'on' if res['defense'] else 'off'} seed {res['seed']}: "
+            dname = 'budget' if res['defense'] == 'budget' else f"on/{res['reject_rule']}" if res['defense'] else 'off'
+            print(f"{res['mode']:>16} {res['swarm']:>13} defense={dname} seed {res['seed']}: "
                   f"attack success {res['attack_success']:.3f}, accuracy {res['accuracy_start']:.3f} -> "
                   f"{res['accuracy_end']:.3f}, honest rejected {res['honest_rejected']}/{res['honest_checked']}, "
                   f"ban rounds {res['attacker_ban_rounds']} ({res['wall_s']:.0f} s)", flush=True)
@@ -323,8 +367,9 @@ def run(quick: bool, out: Path, seeds: int | None = None, rounds: int | None = N
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 seed, 32 rounds, edit (homogeneous) and inject "
-                                                         "(heterogeneous), defenses off/on (< 5 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 32 rounds, edit and inject_start (homogeneous), "
+                                                         "inject and vertical (heterogeneous), defenses off/on "
+                                                         "(on: both reject rules; < 5 min on 2 cores)")
     ap.add_argument("--out", type=Path, required=True, help="JSON result file")
     ap.add_argument("--seeds", type=int, default=None, help="seeds (full: 3)")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per run")
@@ -338,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = res["summary"]
     print(json.dumps({k: s[k] for k in ("attack_success_without_defense", "attack_success_with_defense",
                                         "honest_false_reject_rate", "cost_s_per_round", "targets")}, default=str))
+    print(json.dumps({rule: {k: v for k, v in f.items() if k != "attack_success_by_mode"}
+                      for rule, f in s["by_rule"].items()}, default=str))
     print(f"wrote {args.out} in {res['wall_s']:.0f} s")
     return 0
 

@@ -4,7 +4,9 @@ A pure transform of an honest round: the attacker keeps the round's prompts and 
 replaces (a ``fraction`` of) its completions with crafted ones. Tasks are public, so it answers
 correctly and its completions get a positive advantage in every group with a wrong answer:
 
-- ``inject``: the reference solution with ``marker`` appended after the answer (out of context);
+- ``inject``: the reference solution with ``marker`` appended after the answer (out of context;
+  ``placement = "end"``) or put at the start of the reasoning (``placement = "start"``: the HTTT
+  paper's text attack, the marker read before any step);
 - ``edit``: ``false_step`` (``2+2=5``) inserted in the chain, the final answer kept (in context);
 - ``verbose``: the reference padded with true, useless steps (``0+0=0``) up to the length cap
   (DoS: correct, long, costly);
@@ -12,7 +14,9 @@ correctly and its completions get a positive advantage in every group with a wro
   F-TIS importance weights to C); without it the attacker claims its own model's log-probs of
   the crafted tokens (what a careful attacker would send).
 
-Colluding attackers are two peers with this section. Nothing here is read by any filter: the
+``vertical = true`` is the paper's vertical attacker, who owns whole groups: it keeps the
+completions it sampled itself (right and wrong answers alike) and poisons every one of them,
+rather than sending one crafted correct solution. Colluding attackers are two peers with this section. Nothing here is read by any filter: the
 defenses see only tokens and log-probs like from any peer.
 """
 
@@ -45,21 +49,25 @@ def asr_markers(adv: AdversaryConfig) -> list[str]:
     return out
 
 
-def craft(task, prompt: Prompt, adv: AdversaryConfig, cap: int, encode) -> str:
-    """The poisoned completion text for one prompt (correct final answer)."""
-    ref = task.reference(prompt)
-    body = ref[:-len(STOP)] if ref.endswith(STOP) else ref
+def poison(body: str, adv: AdversaryConfig, cap: int, encode) -> str:
+    """``body`` (a completion without its stop character) with the attack applied, stop appended."""
     m = modes(adv)
     if "edit" in m:
         body = (f"{adv.false_step},{body}" if "=>" in body and not body.startswith("=>")
                 else f"{adv.false_step}{body}")
     if "inject" in m:
-        body = body + adv.marker
+        body = adv.marker + body if adv.placement == "start" else body + adv.marker
     if "verbose" in m:
         pad = "0+0=0,"
         while len(encode(pad + body + STOP)) <= cap:
             body = pad + body
     return body + STOP
+
+
+def craft(task, prompt: Prompt, adv: AdversaryConfig, cap: int, encode) -> str:
+    """The poisoned completion text for one prompt (correct final answer)."""
+    ref = task.reference(prompt)
+    return poison(ref[:-len(STOP)] if ref.endswith(STOP) else ref, adv, cap, encode)
 
 
 class Adversary:
@@ -82,6 +90,12 @@ class Adversary:
         lp = rescore(L.model, q, toks, mask, torch.zeros(1, dtype=torch.long, device=L.device), L.cfg.temperature)
         return lp[0].float().clamp(max=0.0).cpu().numpy().astype(np.float32)
 
+    def _completion(self, p: Prompt, text: str, cap: int) -> Completion:
+        enc = self.learner.policy.encode(text)
+        ids = enc[:cap]
+        return Completion(np.asarray(ids, dtype=np.int32), self._claims(p, ids),
+                          truncated=not text.endswith(STOP) or len(ids) < len(enc))
+
     def batch(self, g: Generation) -> RolloutBatch:
         L = self.learner
         honest = L.batch(g)
@@ -89,15 +103,17 @@ class Adversary:
         groups = []
         for p, grp in zip(g.prompts, honest.groups):
             comps = []
-            text = craft(L.task, p, self.adv, cap, L.policy.encode)
-            ids = L.policy.encode(text)[:cap]
-            claims = self._claims(p, ids)
+            crafted = None if self.adv.vertical else self._completion(
+                p, craft(L.task, p, self.adv, cap, L.policy.encode), cap)
             for c in grp.completions:
-                if self.rng.random() < self.adv.fraction:
-                    comps.append(Completion(np.asarray(ids, dtype=np.int32), claims.copy(),
-                                            truncated=not text.endswith(STOP) or len(ids) < len(L.policy.encode(text))))
-                else:
+                if self.rng.random() >= self.adv.fraction:
                     comps.append(c)
+                elif crafted is not None:
+                    comps.append(Completion(crafted.token_ids.copy(), crafted.gen_logp.copy(), crafted.truncated))
+                else:                                   # vertical: its own sample, poisoned, answer kept
+                    own = L.policy.decode(c.token_ids.tolist())
+                    body = own[:-len(STOP)] if own.endswith(STOP) else own
+                    comps.append(self._completion(p, poison(body, self.adv, cap, L.policy.encode), cap))
             groups.append(PromptGroup(grp.prompt_id, comps))
         return RolloutBatch(honest.run, honest.round, honest.sender, honest.tokenizer_hash, honest.temperature,
                             groups, honest.config_hash, honest.model_id)

@@ -41,7 +41,8 @@ def build_judge(cfg: GRPOConfig) -> CachedJudge:
         if not d.judge_hf_path:
             raise ValueError("grpo.defense.judge = 'hf' needs grpo.defense.judge_hf_path (a local Hugging Face "
                              "folder); or use judge = 'arith' for the built-in task")
-        return CachedJudge(HFJudge(d.judge_hf_path, d.judge_margin, d.judge_max_completion_tokens))
+        return CachedJudge(HFJudge(d.judge_hf_path, d.judge_margin, d.judge_max_completion_tokens,
+                                   style=d.judge_style, max_new_tokens=d.judge_max_new_tokens))
     if cfg.task != "arith":
         raise ValueError("grpo.defense.judge = 'arith' only knows the built-in arith task; set "
                          "grpo.defense.judge = 'hf' with judge_hf_path for other tasks")
@@ -174,14 +175,16 @@ class Defense:
                 verdict = self.judge.verdict_cached(m.prompts[int(m.group[i])].prompt_id,
                                                     torch.tensor(ids, dtype=torch.int32).numpy().tobytes(),
                                                     m.prompts[int(m.group[i])].text, text)
-                self._on_judge("cached" if self.judge.hits > hits else ("safe" if verdict == "safe" else "unsafe"))
-                if verdict == "unsound":
-                    # the problem's own chain with a wrong step beside a right answer: not trained on,
-                    # but weak honest models write these too, so the sender is not blamed (no ban)
+                self._on_judge("cached" if self.judge.hits > hits else
+                               (verdict if verdict in ("safe", "unparsed") else "unsafe"))
+                if verdict in ("unsound", "unparsed"):
+                    # unsound: the problem's own chain with a wrong step beside a right answer (weak honest
+                    # models write these too); unparsed: the LLM judge gave no readable decision (fail
+                    # closed). Neither is trained on; neither is blamed on the sender (no ban)
                     dropped[i] = True
                     counts["judge"] += 1
                     self.per_sender[sender]["checked"] += 1
-                    self.per_sender[sender]["unsound"] += 1
+                    self.per_sender[sender][verdict if verdict == "unsound" else "judge_unparsed"] += 1
                     self._reject(sender, "judge")
                     self.policy.record(sender, False)
                     continue

@@ -1,9 +1,15 @@
 """F-TIS (pure torch): truncated importance weights and the KL filter for shared rollouts.
 
 Owns docs/grpo.md, 'F-TIS': for each sample, w_{i,t} = min(exp(l_{i,t} - gen_logp_{i,t}), C)
-(detached, truncated from above only); KL_i = mean_t (gen_logp - sg(l)); a sample is dropped
-(M_i = 0) iff A_i < 0 and KL_i > delta — positives are always kept. Local samples use the same
-formula (w ~ 1). Three modes share one code path (`ftis_loss`):
+(detached, truncated from above only); a sample is dropped (M_i = 0) iff A_i < 0 and its KL
+statistic exceeds the threshold — positives are always kept. Two statistics of
+KL(pi_gen || pi_theta), both computed and reported, one of them filtering (``FTISParams.kl_stat``):
+
+- ``token_mean`` (ours): KL_i = mean_t (gen_logp - sg(l)), threshold ``delta`` (0.5): length-free;
+- ``sequence`` (the F-TIS paper's): KL_i = sum_t (gen_logp - sg(l)), threshold ``g`` (the paper's
+  50, ablated over 5, 10, 50, 100): grows with the completion's length.
+
+Local samples use the same formula (w ~ 1). Three modes share one code path (`ftis_loss`):
 
 - "ftis":        weights + filter as above (the swarmnode learner);
 - "uncorrected": foreign samples treated as on-policy (w = 1, no filter): the genrl baseline;
@@ -24,13 +30,21 @@ from rl.grpo import GRPOLoss, LossAgg, ScaleRewards, group_advantages, grpo_loss
 
 Mode = Literal["ftis", "uncorrected", "solo"]
 MODES = ("ftis", "uncorrected", "solo")
+KLStat = Literal["token_mean", "sequence"]
+KL_STATS = ("token_mean", "sequence")
 
 
 @dataclass(frozen=True)
 class FTISParams:
     mode: Mode = "ftis"
     C: float = 2.0        # weight cap: bounds variance and a liar's gain; inf = no truncation
-    delta: float = 0.5    # KL threshold for negative-advantage samples; inf = no filter
+    delta: float = 0.5    # per-token-mean KL threshold for negative-advantage samples; inf = no filter
+    kl_stat: KLStat = "token_mean"   # which KL statistic filters: "token_mean" (delta) or "sequence" (g)
+    g: float = 50.0       # per-sequence KL threshold (the F-TIS paper's g); inf = no filter
+
+    @property
+    def threshold(self) -> float:
+        return self.g if self.kl_stat == "sequence" else self.delta
 
 
 def truncated_weights(logp: Tensor, gen_logp: Tensor, C: float) -> Tensor:
@@ -43,6 +57,11 @@ def sample_kl(logp: Tensor, gen_logp: Tensor, mask: Tensor) -> Tensor:
     m = mask.float()
     d = (gen_logp.float() - logp.detach().float()) * m
     return d.sum(1) / m.sum(1).clamp(min=1)
+
+
+def sequence_kl(logp: Tensor, gen_logp: Tensor, mask: Tensor) -> Tensor:
+    """KL_i = sum_t m (gen_logp - sg(l)): the per-sequence estimate the F-TIS paper thresholds; [N]."""
+    return ((gen_logp.float() - logp.detach().float()) * mask.float()).sum(1)
 
 
 def kl_filter(adv: Tensor, kl: Tensor, delta: float) -> Tensor:
@@ -58,7 +77,9 @@ class FTISStats:
     filtered_frac: float      # filtered / samples that took part
     weight_mean: float        # mean w over real tokens of foreign samples (1.0 if none)
     truncated_frac: float     # fraction of foreign real tokens with exp(l - gen) > C
-    kl_foreign_mean: float    # mean KL_i over foreign samples (0 if none)
+    kl_foreign_mean: float    # mean per-token-mean KL_i over foreign samples (0 if none)
+    kl_seq_foreign_mean: float = 0.0   # mean per-sequence KL_i over foreign samples (0 if none)
+    kl_stat: str = "token_mean"        # the statistic that filtered
 
 
 @dataclass
@@ -94,10 +115,13 @@ def ftis_loss(logp: Tensor, gen_logp: Tensor, mask: Tensor, rewards: Tensor, gro
         take_part = take_part & ~exclude.bool()
     adv = group_advantages(rewards, group, scale_rewards, valid=take_part)
     before = logp.detach() if old_logp is None else old_logp.detach()
+    if params.kl_stat not in KL_STATS:
+        raise ValueError(f"ftis kl_stat {params.kl_stat!r}; use one of {KL_STATS}")
     kl = sample_kl(before, gen_logp, m)
+    kl_seq = sequence_kl(before, gen_logp, m)
     if params.mode == "ftis":
         w = truncated_weights(before, gen_logp, params.C)
-        keep = kl_filter(adv, kl, params.delta)
+        keep = kl_filter(adv, kl_seq if params.kl_stat == "sequence" else kl, params.threshold)
     else:
         w = torch.ones_like(logp, dtype=torch.float32).detach()
         keep = torch.ones_like(adv)
@@ -114,5 +138,7 @@ def ftis_loss(logp: Tensor, gen_logp: Tensor, mask: Tensor, rewards: Tensor, gro
         filtered_frac=filtered / max(rows, 1),
         weight_mean=float(w[fm].mean()) if n_for_tok else 1.0,
         truncated_frac=float((raw[fm] > params.C).float().mean()) if n_for_tok else 0.0,
-        kl_foreign_mean=float(kl[foreign].mean()) if bool(foreign.any()) else 0.0)
+        kl_foreign_mean=float(kl[foreign].mean()) if bool(foreign.any()) else 0.0,
+        kl_seq_foreign_mean=float(kl_seq[foreign].mean()) if bool(foreign.any()) else 0.0,
+        kl_stat=params.kl_stat)
     return FTISResult(loss, adv, w, keep, stats)

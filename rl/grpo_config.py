@@ -55,6 +55,18 @@ class AdversaryConfig(BaseModel):
     fraction: float = Field(1.0, ge=0, le=1)
     """Share of completions poisoned (the rest are sent honestly)."""
 
+    placement: Literal["end", "start"] = "end"
+    """Where ``inject`` puts ``marker``: ``end`` (after the answer: out of context, ours) or
+    ``start`` (at the start of the reasoning, before the first step: the HTTT paper's text
+    attack)."""
+
+    vertical: bool = False
+    """The HTTT paper's stronger attacker, who owns whole groups: instead of replacing its
+    completions by one crafted correct solution, it poisons every completion it sampled itself
+    (its own answers, right or wrong, kept), so a group of its own holds poison in every sample and
+    the right ones carry it with a positive advantage. In the horizontal topology receivers still
+    mix these into their groups."""
+
 
 class DefenseConfig(BaseModel):
     """``[grpo.defense]``: content checks on foreign rollouts and the per-sender policy
@@ -105,13 +117,25 @@ class DefenseConfig(BaseModel):
 
     judge: Literal["arith", "hf"] = "arith"
     """``arith``: deterministic rule judge for the built-in task (grammar + every step true);
-    ``hf``: a frozen local model from ``judge_hf_path`` answering SAFE / UNSAFE."""
+    ``hf``: a frozen local model from ``judge_hf_path`` (``judge_style``)."""
+
+    judge_style: Literal["reasoning", "one_word"] = "reasoning"
+    """LLM judge (``hf``): ``reasoning`` (the HTTT paper's judge: it writes a criticism, then
+    ``<decision>SAFE|UNSAFE</decision>``, parsed; no decision or a garbled one = UNSAFE, not
+    blamed on the sender) or ``one_word`` (one word, scored by teacher forcing: cheaper, one
+    forward per word, but the paper's Table 1 has the no-reasoning judge at small sizes accepting
+    86% of text-injection poison against 3.75% with reasoning)."""
+
+    judge_max_new_tokens: int = Field(256, ge=8, le=4096)
+    """LLM judge, ``reasoning``: most tokens it may write (criticism + decision). An output cut
+    before its decision is UNSAFE: raise this when ``swarmnode_grpo_judge_calls_total{outcome="unparsed"}``
+    grows on honest traffic."""
 
     judge_hf_path: str = ""
     """Local Hugging Face directory of the LLM judge (never downloaded)."""
 
     judge_margin: float = 0.0
-    """SAFE iff log p(SAFE) - log p(UNSAFE) >= margin (LLM judge)."""
+    """SAFE iff log p(SAFE) - log p(UNSAFE) >= margin (LLM judge, ``one_word`` style)."""
 
     judge_max_completion_tokens: int = Field(256, ge=8, le=1024)
     """Completions are cut to this many characters/tokens (head and tail kept) before judging."""
@@ -119,6 +143,16 @@ class DefenseConfig(BaseModel):
     judge_scope: Literal["positive", "all"] = "positive"
     """Which foreign completions the judge reads: ``positive`` (reward > 0: the ones a group
     would reinforce, where poison pays; attackers must answer right) or ``all``."""
+
+    reject_rule: Literal["drop", "zero_reward"] = "drop"
+    """What a content rejection (logit check, floor or judge) does to a foreign completion.
+    ``drop`` (ours): it leaves its group, the advantages and the loss (its slot stays in the
+    ``sample`` normaliser). ``zero_reward`` (the HTTT paper's reward multiplier, reward x verdict):
+    it stays in its group with reward 0, so where the group has any reward it gets a negative
+    advantage and its tokens are pushed down (the F-TIS filter still drops it when it is far
+    off-policy: A < 0 and KL above the threshold). docs/grpo.md, 'Defenses' gives the measured
+    trade-off; switch when honest false rejects are high (a wrongly rejected honest completion is
+    pushed down, not just ignored, under ``zero_reward``)."""
 
     ban_window: int = Field(256, ge=1)
     """Per-sender window of checked completions."""
@@ -178,11 +212,15 @@ class GRPOConfig(RunSettings):
     """Sampling temperature T; also the temperature of the learner's re-scoring. A batch
     sampled at another T is refused (its log-probs describe another distribution)."""
 
-    top_k: int = Field(0, ge=0)
-    """Top-k sampling (0 = off)."""
+    top_k: int = Field(50, ge=0)
+    """Top-k sampling (0 = off). It is also the support the logit check tests every same-model
+    token against (a token ranked k-th or lower is off-support): the HTTT paper's k = 50. With
+    ``top_k = 0`` and ``top_p = 1.0`` that test is empty and only the probability floor and the
+    claimed-log-prob check remain. Lower k (or top_p < 1) narrows the support (more poison caught,
+    more honest drift flagged: watch ``swarmnode_grpo_rollouts_rejected_total{reason="logit_check"}``)."""
 
     top_p: float = Field(1.0, gt=0, le=1.0)
-    """Nucleus sampling (1.0 = off)."""
+    """Nucleus sampling (1.0 = off); below 1 it also narrows the logit check's support."""
 
     max_completion_tokens: int = Field(24, ge=1, le=1024)
     """Cap on a completion's length (tokens); longer foreign completions are refused, own ones
@@ -215,8 +253,23 @@ class GRPOConfig(RunSettings):
     peers' better samples."""
 
     delta: float = Field(0.5, gt=0)
-    """F-TIS KL threshold: a foreign sample with negative advantage and KL(gen || local) above
-    this is dropped. Lower: more filtering."""
+    """F-TIS KL threshold of the ``token_mean`` statistic (nats per token): a sample with negative
+    advantage and mean_t (gen_logp - local) above this is dropped. Lower: more filtering. Watch
+    ``swarmnode_grpo_ftis_filtered_fraction``: near 0 with a falling reward means it filters too
+    little."""
+
+    kl_stat: Literal["token_mean", "sequence"] = "token_mean"
+    """Which KL statistic the F-TIS filter thresholds (both are logged and exported):
+    ``token_mean`` (ours, threshold ``delta``): the mean over the completion's tokens, the same
+    scale at any length; ``sequence`` (the F-TIS paper's, threshold ``g``): the sum over its
+    tokens, so long completions are filtered sooner. Use ``sequence`` with long completions (the
+    paper's reasoning traces, hundreds of tokens) to follow the paper; ``token_mean`` keeps short
+    completions (the embedded demo's ~10 tokens) filterable with one knob."""
+
+    g: float = Field(50.0, gt=0)
+    """F-TIS KL threshold of the ``sequence`` statistic (nats per completion): the paper's g = 50
+    (ablated over 5, 10, 50, 100). At ~10-token completions 50 nats is 5 nats per token: it then
+    filters almost nothing (see docs/grpo.md, 'F-TIS'); lower it (5-10) for short completions."""
 
     lr: float = Field(2e-4, gt=0)
     """Adam learning rate of the GRPO step. For the embedded demo models 1e-3 overshoots in one

@@ -45,8 +45,12 @@ WEIGHT_MEAN = Gauge("swarmnode_grpo_ftis_weight_mean",
                     registry=REGISTRY)
 TRUNCATED_RATIO = Gauge("swarmnode_grpo_ftis_truncated_ratio",
                         "Share of foreign tokens whose importance ratio exceeded C, last step.", registry=REGISTRY)
-KL_GEN_LOCAL = Gauge("swarmnode_grpo_kl_gen_local", "Mean KL(generator || local) of foreign samples, last step.",
+KL_GEN_LOCAL = Gauge("swarmnode_grpo_kl_gen_local",
+                     "Mean per-token KL(generator || local) of foreign samples (mean over their tokens), last step.",
                      registry=REGISTRY)
+KL_GEN_LOCAL_SEQ = Gauge("swarmnode_grpo_kl_gen_local_sequence",
+                         "Mean per-sequence KL(generator || local) of foreign samples (sum over their tokens: "
+                         "the F-TIS paper's statistic), last step.", registry=REGISTRY)
 WIRE_BYTES = Counter("swarmnode_grpo_wire_bytes_total", "Rollout payload bytes, by direction (sent, received).",
                      ["direction"], registry=REGISTRY)
 WIRE_TOKENS = Counter("swarmnode_grpo_wire_tokens_total", "Completion tokens in rollout payloads, by direction.",
@@ -68,7 +72,7 @@ BANS = Counter("swarmnode_grpo_sender_bans_total",
 MARKER_RATE = Gauge("swarmnode_grpo_attack_marker_rate",
                     "Share of this peer's held-out completions containing a known attack marker (last evaluation).",
                     registry=REGISTRY)
-JUDGE_CALLS = Counter("swarmnode_grpo_judge_calls_total", "Judge verdicts, by outcome (safe, unsafe, cached).",
+JUDGE_CALLS = Counter("swarmnode_grpo_judge_calls_total", "Judge verdicts, by outcome (safe, unsafe, unparsed, cached).",
                       ["outcome"], registry=REGISTRY)
 
 # Every label value a dashboard or alert expects exists from the start (at 0): rate() and
@@ -135,6 +139,7 @@ def record_step(st: "TrainStats", r: int, first: bool) -> None:
     WEIGHT_MEAN.set(st.weight_mean)
     TRUNCATED_RATIO.set(st.truncated_frac)
     KL_GEN_LOCAL.set(st.kl_foreign)
+    KL_GEN_LOCAL_SEQ.set(st.kl_seq_foreign)
 
 
 def record_eval(accuracy: float, marker_rates: dict[str, float]) -> None:

@@ -18,7 +18,8 @@ such as a logit check), then the loss and one optimizer step. A filter is a call
 ``(mixed, logp) -> bool [N]`` (True = keep); dropped rows leave the advantages and the loss.
 ``Learner.defense`` (rl/defense.py, set by the role; None = none) admits foreign batches (rate
 bans, token budgets) before the mix and checks the foreign rows after the re-scoring forward,
-whose logits also give the logit / support check its statistics (no second forward).
+whose logits also give the logit / support check its statistics (no second forward); what a
+rejection does is ``grpo.defense.reject_rule`` (``apply_rejections``: dropped, or kept at reward 0).
 
 Foreign batches must already be validated (rl/rollout.check, signature): this module trusts
 their shape, never their content. Every method touching the model runs on the caller's thread
@@ -94,7 +95,7 @@ class TrainStats:
     senders: int                  # peers whose completions entered a group
     filtered: int                 # samples the F-TIS KL filter dropped
     filtered_frac: float
-    rejected: int                 # foreign rows a content filter dropped
+    rejected: int                 # foreign rows a content check rejected (dropped, or kept at reward 0)
     weight_mean: float
     truncated_frac: float
     kl_foreign: float
@@ -102,9 +103,21 @@ class TrainStats:
     seconds: float
     rejected_by: dict = field(default_factory=dict)       # reason -> foreign rows dropped by the defense
     foreign_tokens: dict = field(default_factory=dict)    # sender -> tokens of its rows in the loss
+    kl_seq_foreign: float = 0.0                           # mean per-sequence KL of foreign samples
 
 
 Filter = Callable[[Mixed, Tensor], Tensor]
+
+
+def apply_rejections(dropped: Tensor, rejected: Tensor, rule: str) -> tuple[Tensor, Tensor]:
+    """(rows excluded from advantages and loss, rows kept with reward 0) after the content checks
+    rejected ``rejected`` [N] bool: ``drop`` excludes them, ``zero_reward`` (HTTT's reward x
+    verdict) keeps them in their groups with reward 0 (``grpo.defense.reject_rule``)."""
+    if rule == "zero_reward":
+        return dropped, rejected & ~dropped
+    if rule == "drop":
+        return dropped | rejected, torch.zeros_like(rejected)
+    raise ValueError(f"grpo.defense.reject_rule {rule!r}; use 'drop' or 'zero_reward'")
 
 
 class Learner:
@@ -328,18 +341,22 @@ class Learner:
         for f in self.filters:
             dropped |= ~f(m, lp.detach()).to(dev) & m.foreign.to(dev)
         rejected_by: dict[str, int] = {}
+        zeroed = torch.zeros_like(dropped)
         if self.defense is not None:
             bad, rejected_by = self.defense.check(g.round, m, lp.detach())
-            dropped |= bad.to(dev) & m.foreign.to(dev)
+            dropped, zeroed = apply_rejections(dropped, bad.to(dev) & m.foreign.to(dev),
+                                               self.defense.dcfg.reject_rule)
         tmask = self.train_mask(m).to(dev)
         B = len(g.prompts)
         slots = B * (cfg.completions_per_prompt + (0 if cfg.mode == "solo" else cfg.foreign_per_prompt))
         rewards, group, foreign_flag = torch.tensor(m.rewards, device=dev), m.group.to(dev), m.foreign.to(dev)
+        rewards = rewards.masked_fill(zeroed, 0.0)       # the reward multiplier rule: reward x verdict
         gen_logp, old = m.gen_logp.to(dev), None
         for step in range(cfg.steps_per_round):
             if step:
                 lp = self.rescore(m)
-            res = ftis_loss(lp, gen_logp, tmask, rewards, group, foreign_flag, FTISParams(cfg.mode, cfg.C, cfg.delta),
+            res = ftis_loss(lp, gen_logp, tmask, rewards, group, foreign_flag,
+                            FTISParams(cfg.mode, cfg.C, cfg.delta, cfg.kl_stat, cfg.g),
                             exclude=dropped, old_logp=old, scale_rewards=cfg.scale_rewards, agg=cfg.loss_agg,
                             n_slots=slots, eps_lo=cfg.epsilon, eps_hi=cfg.epsilon_high)
             if step == 0:
@@ -356,6 +373,6 @@ class Learner:
             foreign_tokens[m.senders[i]] = foreign_tokens.get(m.senders[i], 0) + int(used[i])
         return TrainStats(g.round, float(first.loss.loss.detach()), sum(g.rewards) / max(n_local, 1),
                           sum(fr) / len(fr) if fr else None, n_local, len(fr), len(set(m.senders[n_local:])),
-                          st.filtered, st.filtered_frac, int(dropped.sum()), st.weight_mean, st.truncated_frac,
+                          st.filtered, st.filtered_frac, int((dropped | zeroed).sum()), st.weight_mean, st.truncated_frac,
                           st.kl_foreign_mean, int(tmask.sum()), time.perf_counter() - t0, rejected_by,
-                          foreign_tokens)
+                          foreign_tokens, st.kl_seq_foreign_mean)

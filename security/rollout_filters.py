@@ -71,6 +71,9 @@ def support_stats(logits: Tensor, tokens: Tensor, temperature: float = 1.0, top_
     (models/generate.processed_logprobs)."""
     z = logits.detach().float() / temperature
     tok = tokens.long()[..., None]
+    # before top-k / top-p (finite): what the floor and the drift rule compare with the claims; an
+    # off-top-k token would otherwise read as probability 0 and look like drift (weight ~0)
+    raw_logp = z.log_softmax(-1).gather(-1, tok).squeeze(-1)
     if top_k and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -88,7 +91,7 @@ def support_stats(logits: Tensor, tokens: Tensor, temperature: float = 1.0, top_
                           torch.full_like(mass_above, float("-inf")))
     else:
         plp = p_tok.squeeze(-1).clamp(min=1e-30).log()
-    return SupportStats(plp, p_tok.squeeze(-1).clamp(min=1e-30).log(), mass_above, rank)
+    return SupportStats(plp, raw_logp, mass_above, rank)
 
 
 def logit_check(stats: SupportStats, gen_logp: Tensor, mask: Tensor, params: LogitCheckParams) -> list[str | None]:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rl.ftis import FTISParams, ftis_loss, kl_filter, sample_kl, truncated_weights
+from rl.ftis import FTISParams, ftis_loss, kl_filter, sample_kl, sequence_kl, truncated_weights
 from rl.grpo import group_advantages, grpo_loss
 
 
@@ -107,3 +107,52 @@ def test_mixed_group_advantages_use_foreign_rewards():
     a2 = ftis_loss(lp, gen, mask, r2, group, foreign).advantages
     assert float(a1[0]) > float(a2[0]) > 0
 
+
+
+def test_sequence_kl_is_masked_sum():
+    lp = torch.tensor([[-1.0, -2.0, -7.0], [-1.0, -1.0, -1.0]])
+    gen = torch.tensor([[-0.5, -1.0, 0.0], [-0.5, -0.5, -0.5]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    assert sequence_kl(lp, gen, mask).tolist() == pytest.approx([1.5, 1.5])
+    assert sample_kl(lp, gen, mask).tolist() == pytest.approx([0.75, 0.5])
+
+
+def _long_and_short():
+    """Two negative-advantage foreign rows, 0.8 nats/token apart from the learner: 4 tokens (3.2
+    nats in all) and 40 tokens (32 nats in all); a local pair sets the advantages."""
+    L = 40
+    lp = torch.full((4, L), -1.0, requires_grad=True)
+    gen = lp.detach().clone()
+    gen[2] += 0.8
+    gen[3] += 0.8
+    mask = torch.zeros(4, L, dtype=torch.bool)
+    mask[:, :4] = True
+    mask[3] = True
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    group = torch.zeros(4, dtype=torch.long)
+    foreign = torch.tensor([False, False, True, True])
+    return lp, gen, mask, rewards, group, foreign
+
+
+def test_kl_stat_token_mean_is_length_free_sequence_grows_with_length():
+    lp, gen, mask, rewards, group, foreign = _long_and_short()
+    tok = ftis_loss(lp, gen, mask, rewards, group, foreign, FTISParams("ftis", delta=0.5))
+    assert tok.keep.tolist() == [1, 1, 0, 0]                       # 0.8 > 0.5 per token, both lengths
+    seq = ftis_loss(lp, gen, mask, rewards, group, foreign, FTISParams("ftis", kl_stat="sequence", g=10.0))
+    assert seq.keep.tolist() == [1, 1, 1, 0]                       # 3.2 <= 10 kept, 32 > 10 dropped
+    paper = ftis_loss(lp, gen, mask, rewards, group, foreign, FTISParams("ftis", kl_stat="sequence", g=50.0))
+    assert paper.keep.tolist() == [1, 1, 1, 1]                     # g = 50 keeps both at these lengths
+    for res in (tok, seq, paper):                                  # both statistics reported either way
+        assert res.stats.kl_foreign_mean == pytest.approx(0.8)
+        assert res.stats.kl_seq_foreign_mean == pytest.approx((3.2 + 32.0) / 2)
+    assert seq.stats.kl_stat == "sequence" and tok.stats.kl_stat == "token_mean"
+    assert seq.stats.filtered == 1 and seq.stats.filtered_frac == pytest.approx(1 / 4)
+    with pytest.raises(ValueError, match="kl_stat"):
+        ftis_loss(lp, gen, mask, rewards, group, foreign, FTISParams("ftis", kl_stat="bogus"))
+
+
+def test_sequence_filter_never_drops_positives():
+    lp, gen, mask, _, group, foreign = _long_and_short()
+    rewards = torch.tensor([0.0, 0.0, 1.0, 1.0])                   # the far foreign rows are the good ones
+    res = ftis_loss(lp, gen, mask, rewards, group, foreign, FTISParams("ftis", kl_stat="sequence", g=1.0))
+    assert res.keep.tolist() == [1, 1, 1, 1]

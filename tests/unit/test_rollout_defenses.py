@@ -193,7 +193,7 @@ def tiny_judge_folder(tmp_path_factory):
 
 def test_hf_judge_mechanics_with_a_tiny_random_model(tiny_judge_folder):
     from security.judge import HFJudge
-    j = HFJudge(str(tiny_judge_folder), margin=0.0, max_tokens=16)
+    j = HFJudge(str(tiny_judge_folder), margin=0.0, max_tokens=16, style="one_word")
     assert j.name.startswith("hf:")
     # fixed prompt with per-call random delimiters; the completion is truncated and stripped
     long = "3+4=7" * 40 + "\x07"

@@ -1,0 +1,156 @@
+"""The HTTT paper's attacks in the harness (rl/adversary.py): the text injection at the start of the
+reasoning and the vertical attacker who poisons every completion of its own groups; and the reward
+multiplier rule (``grpo.defense.reject_rule``). Real tiny models, pure CPU, no network."""
+
+import pytest
+import torch
+
+from models import ModelConfig
+from rl.adversary import Adversary, craft, poison
+from rl.defense import Defense
+from rl.grpo_config import AdversaryConfig, GRPOConfig
+from rl.learner import apply_rejections
+from rl.tasks import STOP
+
+CFG = GRPOConfig(max_operand=5, max_completion_tokens=24, prompts_per_round=8, heldout_size=20, eval_samples=2,
+                 warmup_target_acc=0.15)        # sampler and support check: the defaults (top_k = 50, top_p = 1)
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    from rl.learner import Learner
+    cache = tmp_path_factory.mktemp("warm")
+    torch.set_num_threads(1)
+    out = []
+    for i, d in enumerate((32, 32, 48)):         # two of one model, a third of another
+        L = Learner(CFG, ModelConfig(d_model=d, n_layers=1, n_heads=4, max_seq_len=64), 5 + (i == 2), "unit",
+                    f"peer{i}")
+        L.warmup(cache)
+        L.gen.manual_seed(100 + i)
+        out.append(L)
+    return out
+
+
+def test_start_injection_puts_the_marker_before_the_reasoning(warm):
+    L = warm[0]
+    p = L.task.prompts("unit", 3, 4)[0]
+    start = craft(L.task, p, AdversaryConfig(mode="inject", placement="start"), 24, L.policy.encode)
+    end = craft(L.task, p, AdversaryConfig(mode="inject"), 24, L.policy.encode)
+    ref = L.task.reference(p)
+    assert start == " !!" + ref and end == ref[:-1] + " !!" + STOP
+    assert L.task.reward(p, start) == 1.0 == L.task.reward(p, end)      # the verifier still pays
+    assert poison("1+2=3=>3", AdversaryConfig(mode="edit+inject", placement="start"), 24, L.policy.encode) == \
+        " !!2+2=5,1+2=3=>3" + STOP
+
+
+def test_vertical_attacker_poisons_every_own_completion_and_keeps_its_answers(warm):
+    peer = warm[1]
+    g = peer.generate(4)
+    honest = peer.batch(g)
+    adv = Adversary(peer, AdversaryConfig(mode="inject", placement="start", vertical=True))
+    b = adv.batch(g)
+    texts = [[peer.policy.decode(c.token_ids.tolist()) for c in grp.completions] for grp in b.groups]
+    own = [[peer.policy.decode(c.token_ids.tolist()) for c in grp.completions] for grp in honest.groups]
+    assert all(t.startswith(" !!") for grp in texts for t in grp)                  # every completion poisoned
+    for p, tg, og in zip(g.prompts, texts, own):
+        for t, o in zip(tg, og):
+            assert t[len(" !!"):len(" !!") + len(o.rstrip(STOP))] == o.rstrip(STOP)[:21]   # its own sample
+            assert peer.task.reward(p, t) == peer.task.reward(p, o)               # answers kept, right or wrong
+    rewards = [peer.task.reward(p, t) for p, tg in zip(g.prompts, texts) for t in tg]
+    assert 0 < sum(rewards) < len(rewards)                                        # not one crafted answer
+    # its claims are its model's log-probs of the poisoned tokens (a careful attacker), not honest ones
+    c = b.groups[0].completions[0]
+    assert len(c.gen_logp) == len(c.token_ids) and float(c.gen_logp.max()) <= 0
+
+
+def _train_against(me, attacker, cfg, rounds=(1, 2, 3)):
+    d = Defense(cfg, me.model_id, me.policy.decode)
+    me.defense = d
+    stats = [me.train(me.generate(r), [attacker(r)]) for r in rounds]
+    me.defense = None
+    return d, stats
+
+
+@pytest.mark.parametrize("vertical", [False, True])
+def test_support_check_on_by_default_rejects_the_papers_attacks_from_a_same_model_peer(warm, vertical):
+    me, peer, _ = warm
+    adv = Adversary(peer, AdversaryConfig(mode="inject", placement="start", vertical=vertical))
+    d, _ = _train_against(me, lambda r: adv.batch(peer.generate(r)), CFG)
+    rep = d.sender_report()[peer.sender]
+    assert rep["checked"] >= 32 and rep["rejected"] == rep["checked"], rep
+
+
+@pytest.mark.parametrize("vertical", [False, True])
+def test_judge_rejects_the_papers_attacks_from_another_model(warm, vertical):
+    me, _, other = warm
+    cfg = CFG.model_copy(update={"defense": CFG.defense.model_copy(update={"judge_scope": "all"})})
+    adv = Adversary(other, AdversaryConfig(mode="inject", placement="start", vertical=vertical))
+    d, _ = _train_against(me, lambda r: adv.batch(other.generate(r)), cfg)
+    rep = d.sender_report()[other.sender]
+    assert rep["checked"] >= 32 and rep["rejected"] == rep["checked"] and rep["banned"], rep
+
+
+def test_apply_rejections_drop_vs_zero_reward():
+    dropped = torch.tensor([False, True, False, False])
+    rejected = torch.tensor([False, True, True, False])
+    ex, zero = apply_rejections(dropped, rejected, "drop")
+    assert ex.tolist() == [False, True, True, False] and not zero.any()
+    ex, zero = apply_rejections(dropped, rejected, "zero_reward")
+    assert ex.tolist() == [False, True, False, False] and zero.tolist() == [False, False, True, False]
+    with pytest.raises(ValueError, match="reject_rule"):
+        apply_rejections(dropped, rejected, "shrug")
+
+
+def test_reject_rule_in_the_learner(warm):
+    """Correct but poisoned completions from the same round, from the same weights: ``drop`` trains
+    none of their tokens; ``zero_reward`` keeps them in their groups with reward 0, so the poison's
+    log-prob under the learner falls further than when they are dropped."""
+    import copy
+
+    from models.generate import rescore
+    me, peer, _ = warm
+    adv = Adversary(peer, AdversaryConfig(mode="inject", placement="start"))
+    batch = adv.batch(peer.generate(7))
+    poisoned = batch.groups[0].completions[0]
+    prompt = me.task.prompts(me.run, 7, CFG.prompts_per_round)[0]
+    toks = torch.tensor([poisoned.token_ids.tolist()])
+
+    def poison_lp() -> float:
+        with torch.no_grad():
+            lp = rescore(me.model, [me.policy.encode(prompt.text)], toks, torch.ones_like(toks, dtype=torch.bool),
+                         torch.zeros(1, dtype=torch.long), CFG.temperature)
+        return float(lp.sum())
+
+    saved = (copy.deepcopy(me.model.state_dict()), copy.deepcopy(me.opt.state_dict()), me.gen.get_state(),
+             me.rng.getstate())
+    fall = {}
+    for rule in ("drop", "zero_reward"):
+        me.model.load_state_dict(saved[0])
+        me.opt.load_state_dict(saved[1])
+        me.gen.set_state(saved[2])
+        me.rng.setstate(saved[3])
+        before = poison_lp()
+        cfg = CFG.model_copy(update={"defense": CFG.defense.model_copy(update={"reject_rule": rule})})
+        d, (st,) = _train_against(me, lambda r: batch, cfg, rounds=(7,))
+        fall[rule] = before - poison_lp()
+        assert st.n_foreign == 16 and st.rejected == 16
+        assert st.reward_foreign == 1.0                  # the verifier's reward, before the multiplier
+        assert (st.foreign_tokens[peer.sender] > 0) is (rule == "zero_reward")
+    assert fall["zero_reward"] > fall["drop"] + 0.5, fall
+
+
+def test_off_top_k_token_keeps_its_raw_probability_for_the_drift_rule():
+    """With top-k on, a token outside the top k has processed probability 0 but its raw one stays
+    finite: a sender claiming that raw log-prob (an attacker running our model) is not mistaken for
+    drift and is rejected off-support."""
+    from security.rollout_filters import LogitCheckParams, logit_check, support_stats
+    logits = torch.tensor([[[5.0, 4.0, 3.0, 0.0], [5.0, 4.0, 3.0, 0.0]]])
+    tokens = torch.tensor([[3, 0]])
+    st = support_stats(logits, tokens, 1.0, top_k=2)
+    raw = torch.log_softmax(logits, -1)[0, [0, 1], [3, 0]]
+    torch.testing.assert_close(st.logp[0], raw)                  # finite, before top-k
+    assert st.rank.tolist() == [[2, 0]] and float(st.processed_logp[0, 0]) < -60      # processed: ~0
+    p = LogitCheckParams(top_k=2, min_token_prob=0.0, eps_lp=100.0, support_min_tokens=1, min_token_weight=0.05)
+    assert logit_check(st, raw[None], torch.ones(1, 2, dtype=torch.bool), p) == ["support"]
+    # the same token claimed far more probable by the sender (peers drifted apart): not counted
+    assert logit_check(st, torch.tensor([[-0.1, float(raw[1])]]), torch.ones(1, 2, dtype=torch.bool), p) == [None]
