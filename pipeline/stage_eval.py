@@ -54,6 +54,15 @@ class InOrderEval:
         self._run = {"it": iteration, "i": 0, "total": 0.0, "count": 0, "ep": sched.epoch, "o": me}
         return self._send_batch(sched)
 
+    def move_to(self, sched: Schedule, me: int | None) -> list[Out]:
+        """A newer schedule while a pass is in flight: send the current batch again along the new
+        schedule's in-order path (a node of the old path may be gone, and the pass would wait on it
+        for ever); a late reply from the old path is dropped by its epoch."""
+        if self._run is None or me is None or self._run["ep"] >= sched.epoch:
+            return []
+        self._run["ep"], self._run["o"] = sched.epoch, me
+        return self._send_batch(sched)
+
     def _send_batch(self, sched: Schedule) -> list[Out]:
         run = self._run
         x, _ = self.data[run["i"]]
@@ -84,7 +93,7 @@ class InOrderEval:
 
     def _on_return(self, sched: Schedule, msg: Msg, sender: int, me: int) -> tuple[list[Out], EvalResult | None]:
         run = self._run
-        if run is None or msg.meta.get("o") != me or msg.meta.get("e") != run["i"] \
+        if run is None or msg.meta.get("o") != me or msg.meta.get("e") != run["i"] or msg.meta.get("ep") != run["ep"] \
                 or msg.meta.get("it") != run["it"] or sender != sched.partitions[-1][0]:
             self.dropped["unknown_path"] += 1
             return [], None

@@ -151,6 +151,8 @@ class StageExecutor:
             self.epoch = self.latest_epoch     # before training (or a recovered node): start on the newest
         else:
             self.maybe_abort(schedule.epoch)
+        if outs := self.evaluator.move_to(schedule, self._idx(schedule, self.me)):   # an eval in flight follows
+            self.emit(outs) if self.emit is not None else self.pending.extend(outs)
 
     def _running_epoch(self) -> int:
         st = self._it.get(self.iteration)

@@ -163,9 +163,6 @@ def test_a_health_only_fake_stage_is_never_scheduled_and_the_pipeline_trains(tmp
     print(f"\nhealth-only fake: probe failed ({failed[0]['why'][:80]}), never scheduled; {len(steps)} steps")
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN DEFECT after merging the stage-0 default change (stage0_layers = "
-                   "n_layers // stages): the honest stage 0 node's watchdog exits 1 before the coordinator drops the "
-                   "stalled fake; passed on its own branch. Open in issue 33's note.")
 def test_a_fake_that_passes_its_probe_then_stalls_is_dropped_and_the_pipeline_trains_again(tmp_path):
     r = run(tmp_path, answer_first_probe=True)
     boot, fake, honest1 = r["boot"], r["fake"], r["nodes"][1]

@@ -559,3 +559,29 @@ def test_messages_carry_the_previous_iterations_epoch_and_a_rebuilt_stage_tells_
     assert rebuilt.missed(msg(3, -1))                   # the sender is rebuilt too and says nothing
     assert rebuilt.missed(msg(4, sched.epoch))          # two ahead: stepped without it
     assert not rebuilt.missed(msg(2, -1)) and not outsider.missed(msg(1, -1))   # its own iteration or older
+
+
+def test_a_validation_pass_in_flight_follows_a_newer_schedule_that_drops_a_node_of_its_path():
+    """The in-order pass runs through each stage's first node; when a newer epoch drops one of
+    them (a fake or lost stage node), the origin sends the batch again along the new path instead
+    of waiting for ever on the dropped node (a live pipeline stalled on it)."""
+    import dataclasses
+    old = full_pipeline_schedule(_cluster(8), PARTS, 2)
+    nodes = _nodes(old)
+    origin = nodes[old.names[old.origins[0]]]
+    lost = old.names[old.partitions[1][0]]
+    first = origin.start_eval()
+    assert [o.dest for o in first] == [lost]             # the pass waits on the node about to go
+    new = dataclasses.replace(full_pipeline_schedule(_cluster(8), ((0, 1), (3,), (4, 5), (6, 7)), 2), epoch=1)
+    resent: list = []
+    for name, ex in nodes.items():
+        if name != lost:
+            ex.emit = resent.extend if ex is origin else (lambda outs: None)
+            ex.add_schedule(new)
+    assert [o.dest for o in resent] == [new.names[3]] and resent[0].meta["ep"] == 1
+    del nodes[lost]
+    _pump(nodes, [(origin.me, o) for o in resent])
+    res = [e for e in origin.events if isinstance(e, EvalResult)]
+    ref = StageSet.build(CFG, SEED, S)
+    x, y = origin.evaluator.data[0]
+    assert len(res) == 1 and res[0].loss == pytest.approx(float(lm_loss(ref.logits(x, (0, 1, 2, 3)), y)), abs=1e-5)
