@@ -11,6 +11,7 @@ from rl.defense import Defense
 from rl.grpo_config import GRPOConfig
 from rl.learner import Learner
 from security.judge import CachedJudge, defuse_tags, parse_decision
+from tests.tiny_judge import save_tiny_judge
 
 
 @pytest.mark.parametrize("output, verdict", [
@@ -44,25 +45,7 @@ tokenizers = pytest.importorskip("tokenizers")
 @pytest.fixture(scope="module")
 def judge_folder(tmp_path_factory):
     """A tiny random Llama with a character-level tokenizer and a chat template, saved locally."""
-    folder = tmp_path_factory.mktemp("reasoning_judge")
-    chars = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+=>,:.?()[]<>!/\n \"'-*")
-    words = ["<pad>", "<s>", "</s>", "<unk>", *chars, "<|user|>", "<|system|>", "<|asst|>"]
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Split(pattern=tokenizers.Regex(r"<\|[a-z]+\|>|."),
-                                                       behavior="isolated")
-    tk.decoder = tokenizers.decoders.Fuse()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>",
-                                               eos_token="</s>", unk_token="<unk>")
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'][:6] }}|>{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|asst|>{% endif %}")
-    tok.save_pretrained(folder)
-    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
+    return save_tiny_judge(tmp_path_factory.mktemp("reasoning_judge"), extra_chars="/\"'-*", max_positions=4096)
 
 
 def _swarm(judge_folder):

@@ -20,6 +20,7 @@ from rl.rollout import Completion, PromptGroup, RolloutBatch
 from security.judge import ArithJudge, CachedJudge, decide, truncate_middle
 from security.rollout_filters import LogitCheckParams, logit_check, support_stats
 from security.sender_policy import RejectionRatePolicy, TokenBudget
+from tests.tiny_judge import save_tiny_judge
 
 
 # ---------------- logit / support check on synthetic logits ----------------
@@ -170,25 +171,7 @@ tokenizers = pytest.importorskip("tokenizers")
 @pytest.fixture(scope="module")
 def tiny_judge_folder(tmp_path_factory):
     """A tiny random Llama and a word-level tokenizer with a chat template, saved locally (no download)."""
-    folder = tmp_path_factory.mktemp("tiny_judge")
-    words = ["<pad>", "<s>", "</s>", "<unk>", " SAFE", " UNSAFE", *list("abcdefghijklmnopqrstuvwxyz"),
-             *list("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+=>,:.?()[]<>!\n "), "<|user|>", "<|system|>", "<|asst|>"]
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Split(
-        pattern=tokenizers.Regex(r" UNSAFE| SAFE|<\|[a-z]+\|>|."), behavior="isolated")
-    tk.decoder = tokenizers.decoders.Fuse()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>",
-                                               eos_token="</s>", unk_token="<unk>")
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'][:6] }}|>{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|asst|>{% endif %}")
-    tok.save_pretrained(folder)
-    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
+    return save_tiny_judge(tmp_path_factory.mktemp("tiny_judge"), extra_words=(" SAFE", " UNSAFE"))
 
 
 def test_hf_judge_mechanics_with_a_tiny_random_model(tiny_judge_folder):
