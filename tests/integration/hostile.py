@@ -31,6 +31,7 @@ from node.localswarm import LocalSwarm, NodeProc
 from node.state_sync import fetch_state
 from optimizers.exchange import OuterExchange, add_exchange_to_server
 from optimizers.roster import ROSTER_NAMESPACE, RosterEntry, publish_entry
+from protocol import node_pb2, node_pb2_grpc
 from protocol.grpc_options import server_options
 from security.admission import decode_token
 from security.keys import generate_key, peer_id_str, write_key_file
@@ -81,6 +82,19 @@ client's own write failed; the server's reply is lost, not wrong."""
 
 def client_race(code: grpc.StatusCode, details: str | None) -> bool:
     return code == grpc.StatusCode.INTERNAL and (details or "") == CORE_RACE
+
+
+async def info_status(channel) -> tuple[grpc.StatusCode, str]:
+    """Call Node.Info on `channel`: (OK, "") or the refusal's code and details (retried on the
+    client race above)."""
+    for _ in range(3):  # a refusal racing the client's send can read as a client error: ask again
+        try:
+            await node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=3)
+            return grpc.StatusCode.OK, ""
+        except grpc.aio.AioRpcError as exc:
+            if not client_race(exc.code(), exc.details()):
+                return exc.code(), exc.details() or ""
+    return exc.code(), exc.details() or ""
 
 
 def rss_bytes(pid: int) -> int:

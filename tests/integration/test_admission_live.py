@@ -26,10 +26,9 @@ import pytest
 from node.localswarm import LocalSwarm
 from node.state_sync import StateFetchError
 from optimizers.exchange_common import METHOD as EXCHANGE
-from protocol import node_pb2, node_pb2_grpc
 from security.admission import encode_b64, issue_token
 from security.keys import generate_key, peer_id_str, write_key_file
-from tests.integration.hostile import Attacker, client_race, metric, model_specs, status_rows, wait_for
+from tests.integration.hostile import Attacker, client_race, info_status, metric, model_specs, status_rows, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -43,17 +42,6 @@ COMMON = [
     "data.seq_len=64", "data.batch_size=8", "data.max_train_bytes=1000000", "data.max_val_bytes=100000",
     "card.ttl_s=10", "card.refresh_s=2", "drain.budget_s=10", "security.known_peers_refresh_s=2",
 ]
-
-
-async def _info(channel) -> tuple[grpc.StatusCode, str]:
-    for _ in range(3):  # a refusal racing the client's send can read as a client error: ask again
-        try:
-            await node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=3)
-            return grpc.StatusCode.OK, ""
-        except grpc.aio.AioRpcError as exc:
-            if not client_race(exc.code(), exc.details()):
-                return exc.code(), exc.details() or ""
-    return exc.code(), exc.details() or ""
 
 
 def test_token_admission_on_a_live_swarm(tmp_path):
@@ -108,12 +96,12 @@ def test_token_admission_on_a_live_swarm(tmp_path):
             # the admitted holder is served; the stranger can neither call, nor download, nor pair
             async def holder_info():
                 async with holder.channel(w0) as ch:
-                    return await _info(ch)
+                    return await info_status(ch)
             assert wait_for(lambda: holder.run(holder_info())[0] == grpc.StatusCode.OK, 20, "w0 to serve the holder")
 
             async def stranger_tries():
                 async with stranger.channel(w0) as ch:
-                    info = await _info(ch)
+                    info = await info_status(ch)
                     # the server reads the first (signed) frame, then refuses; a client half-close that reaches
                     # Core after that status turns it into INTERNAL (hostile.CORE_RACE, grpc/grpc#36066,
                     # a client-side race): try up to 3 times, every answer a refusal, one a clean PERMISSION_DENIED

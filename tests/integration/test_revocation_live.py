@@ -23,12 +23,11 @@ import grpc
 import pytest
 
 from node.localswarm import LocalSwarm
-from protocol import node_pb2, node_pb2_grpc
 from security.admission import decode_token, encode_b64, issue_token
 from security.keys import generate_key, peer_id_str, write_key_file
 from security.revocation import REVOKED_RECORD_TTL_S, RevokedEntry, revoked_key
 from security.revocation_record import signed_record_value
-from tests.integration.hostile import Attacker, client_race, metric, status_rows, wait_for
+from tests.integration.hostile import Attacker, info_status, metric, status_rows, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -43,17 +42,6 @@ COMMON = [
     "security.revocation_refresh_s=2",
 ]
 WITHIN_S = 30.0
-
-
-async def _info(channel) -> tuple[grpc.StatusCode, str]:
-    for _ in range(3):  # a refusal racing the client's send can read as a client error: ask again
-        try:
-            await node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=3)
-            return grpc.StatusCode.OK, ""
-        except grpc.aio.AioRpcError as exc:
-            if not client_race(exc.code(), exc.details()):
-                return exc.code(), exc.details() or ""
-    return exc.code(), exc.details() or ""
 
 
 def _forge(forger: Attacker, subkey: str, entries: list[RevokedEntry]) -> None:
@@ -99,7 +87,7 @@ def test_revoked_node_is_refused_everywhere(tmp_path):
 
             async def holder_info():
                 async with holder.channel(w0) as ch:
-                    return await _info(ch)
+                    return await info_status(ch)
             assert wait_for(lambda: holder.run(holder_info())[0] == grpc.StatusCode.OK, 20, "w0 to serve the holder")
 
             # forged lists: under the forger's own subkey, and under the coordinator's with a wrong signature
