@@ -151,8 +151,7 @@ class StageExecutor:
             self.epoch = self.latest_epoch     # before training (or a recovered node): start on the newest
         else:
             self.maybe_abort(schedule.epoch)
-        if outs := self.evaluator.move_to(schedule, self._idx(schedule, self.me)):   # an eval in flight follows
-            self.emit(outs) if self.emit is not None else self.pending.extend(outs)
+        self._send_now(self.evaluator.move_to(schedule, self._idx(schedule, self.me)))   # an eval in flight follows
 
     def _running_epoch(self) -> int:
         st = self._it.get(self.iteration)
@@ -174,12 +173,7 @@ class StageExecutor:
             # missing: the other stages have stepped on it, so step too, with the gradients that
             # are here (the mean over their visits; surviving replicas compute the same bits)
             self.dropped["degraded_step"] += 1
-            outs = self._maybe_step(st, cur, degraded=True)
-            if outs:
-                if self.emit is not None:
-                    self.emit(outs)
-                else:
-                    self.pending.extend(outs)
+            self._send_now(self._maybe_step(st, cur, degraded=True))
             return self.maybe_abort(epoch)       # the next iteration may have started on the old epoch
         self._it.pop(self.iteration, None)
         self._future = [m for m in self._future if m.meta.get("ep", 0) >= epoch]
@@ -241,6 +235,11 @@ class StageExecutor:
         while st.seqs and len(st.inflight) < self.memory and self._path_free(st, sched, me):
             outs = self._flush(outs) + self._launch(st, sched, me)
         return outs + self._maybe_aggregate(st)
+
+    def _send_now(self, outs: list[Out]) -> None:
+        """Messages a schedule change produced: to `emit`, or to `pending` when there is none."""
+        if outs:
+            (self.emit or self.pending.extend)(outs)
 
     def _flush(self, outs: list[Out]) -> list[Out]:
         """Hand `outs` to `emit` now (more compute follows); returns what is left to return."""
