@@ -193,6 +193,32 @@ class NoLoCoConfig(BaseModel):
     state), the node reports not-ready ("recovering") and re-downloads state from a peer if the
     next round fails again. An outer step normally moves phi by a few percent at most."""
 
+    robust: Literal["clip", "off"] = "clip"
+    """Robust averaging (docs/noloco.md, 'Robust averaging'): ``"clip"`` clips each partner's
+    difference ``theirs - ours`` to a radius that follows this run's honest partners
+    (``robust_multiplier`` x max(median of recent partner distances, our own move this round)),
+    so one partner moves our outer step by at most radius / group size. Honest pairs are not
+    clipped (``swarmnode_outer_partner_clip_factor`` stays at 1). ``"off"`` keeps only the fixed
+    bounds above; use it to measure the defence, or if honest partners are clipped (that
+    histogram below 1 with no attacker around) and raising ``robust_multiplier`` does not help."""
+
+    robust_multiplier: float = Field(4.0, gt=0)
+    """The radius in units of the honest scale (max of the median recent partner distance and
+    our own inner move). Honest partners in ``swarmnode demo`` measured 0.04-1.7 x the scale
+    (distance / radius 0.01-0.42 at 4: never clipped); the issue's attacker sits 0.95 x ||theta||
+    away, tens of times the radius. Raise it if
+    ``swarmnode_outer_partners_clipped_total`` rises in a swarm without attackers (very
+    heterogeneous data, stragglers far behind); lower it (not below 2) to bound harder what one
+    partner can do."""
+
+    robust_window: int = Field(16, ge=1)
+    """Recent partner distances (one per averaged round) whose median sets the radius."""
+
+    robust_strikes: int = Field(3, ge=1)
+    """A partner clipped hard (factor < 0.5) this many of its rounds with us in a row is charged
+    (skipped as a partner, ``partner_charged`` with reason ``clipped``); one unclipped round
+    resets its count, so a joiner or straggler that is pulled closer is never charged."""
+
     # ---- other ------------------------------------------------------------------------------
     seed: int = Field(0, ge=0)
     """Run seed: model init, data order and the seeded pairing permutation. Must match across

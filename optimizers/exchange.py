@@ -65,6 +65,7 @@ from optimizers.exchange_group import GroupExchange
 from optimizers.exchange_link import ExchangeLink
 from optimizers.exchange_pair import PairExchange
 from optimizers.exchange_server import NoLoCoServicer, add_exchange_to_server
+from optimizers.robust import PartnerClip
 from optimizers.roster import RosterEntry, publish_entry, read_roster
 from protocol.channels import remaining, task
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
@@ -82,7 +83,8 @@ class OuterExchange:
                  specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], netem: LinkEmulator | None = None,
                  max_round_skew: int = 2, poll_interval_s: float = 0.25,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None):
+                 on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
+                 robust: PartnerClip | None = None, on_clip: Callable[[float, float, bool], None] | None = None):
         public_key_of(peer_id)  # raises for a non-Ed25519 peer ID
         if not specs:
             raise ValueError("OuterExchange needs at least one tensor spec")
@@ -97,7 +99,8 @@ class OuterExchange:
         self.link = ExchangeLink(run_id=run_id, peer_id=peer_id, cfg_hash=cfg_hash, grpc_addr=grpc_addr,
                                  specs=checked, netem=netem, max_round_skew=max_round_skew,
                                  poll_interval_s=poll_interval_s, max_message_bytes=max_message_bytes,
-                                 on_reject=on_reject, bounds=bounds, roster=self._roster)
+                                 on_reject=on_reject, bounds=bounds, roster=self._roster,
+                                 robust=robust, on_clip=on_clip)
         self._pair = PairExchange(self.link, self._roster)
         self._group = GroupExchange(self.link, self._roster)
         self._bg: set[asyncio.Task] = set()  # roster publishes finishing in the background
@@ -113,17 +116,19 @@ class OuterExchange:
     def servicer(self) -> NoLoCoServicer:
         return NoLoCoServicer(self.link, self._group)
 
-    async def pair_average(self, round: int, tensors: list[torch.Tensor], timeout: float) -> ExchangeResult:  # noqa: A002
-        """NoLoCo k=2: average with one random partner waiting for the same round, or go solo."""
-        t0, st, publish = await self._enter(round, "pair", tensors, timeout)
+    async def pair_average(self, round: int, tensors: list[torch.Tensor], timeout: float,  # noqa: A002
+                           move: float = 0.0) -> ExchangeResult:
+        """NoLoCo k=2: average with one random partner waiting for the same round, or go solo.
+        ``move``: ||theta - phi|| of the tensors sent (the robust clip's own scale)."""
+        t0, st, publish = await self._enter(round, "pair", tensors, timeout, move)
         if st is None:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._pair.run(st, publish))
 
     async def group_average(self, round: int, tensors: list[torch.Tensor], timeout: float,  # noqa: A002
-                            expected: int) -> ExchangeResult:
+                            expected: int, move: float = 0.0) -> ExchangeResult:
         """DiLoCo: exact mean over every worker of round r (root = lowest peer ID); see module doc."""
-        t0, st, _ = await self._enter(round, "group", tensors, timeout)
+        t0, st, _ = await self._enter(round, "group", tensors, timeout, move)
         if st is None:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._group.run(st, expected, timeout))
@@ -160,7 +165,7 @@ class OuterExchange:
         await self.link.close()
 
     # ------------------------------------------------------------------ round lifecycle, roster
-    async def _enter(self, round: int, mode: str, tensors, timeout: float):  # noqa: A002
+    async def _enter(self, round: int, mode: str, tensors, timeout: float, move: float = 0.0):  # noqa: A002
         t0, link = time.perf_counter(), self.link
         if link.state is not None:
             raise RuntimeError(f"an outer exchange (round {link.state.round}) is still running; await "
@@ -173,7 +178,8 @@ class OuterExchange:
         if link.closed:
             return t0, None, None
         loop = asyncio.get_running_loop()
-        st = C.Round(round=int(round), mode=mode, tensors=list(tensors), deadline=loop.time() + float(timeout))
+        st = C.Round(round=int(round), mode=mode, tensors=list(tensors), deadline=loop.time() + float(timeout),
+                     move=float(move))
         st.incoming = loop.create_future()
         link.state, link.last_round = st, int(round)
         entry = RosterEntry(round=int(round), grpc_addr=link.grpc_addr, cfg_hash=link.cfg_hash,

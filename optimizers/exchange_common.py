@@ -119,6 +119,7 @@ class Round:
     mode: str                                   # "pair" | "group"
     tensors: list[torch.Tensor]
     deadline: float                             # loop.time()
+    move: float = 0.0                           # ||theta - phi|| sent this round: the robust clip's own scale
     collect_end: float = 0.0
     matched: str | None = None
     closed: bool = False                        # no more accepts (solo decided / closing)

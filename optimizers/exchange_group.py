@@ -73,6 +73,9 @@ class GroupExchange:
         if not contribs:
             st.decided.set()
             return C.ExchangeResult(None, 1, [], C.SOLO, "closed" if link.closed else "no_partner")
+        # robust averaging: each member's difference from the root's tensors is clipped (one
+        # CenteredClip iteration around the root's own theta), so no member drags the group mean
+        contribs = {p: await link.clip(st, t, p) for p, t in sorted(contribs.items())}
         try:
             mean = await link.mean([(link.peer_id, st.tensors), *contribs.items()])
         except (PeerError, TensorRejected) as exc:  # our own NaN, or an overflow to inf

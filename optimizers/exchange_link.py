@@ -25,6 +25,7 @@ from node.averaging import LocalNonFinite, ordered_mean
 from node.logs import emit
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
+from optimizers.robust import PartnerClip
 from protocol.channels import ChannelPool, remaining, task
 from protocol.codec import THREAD_BYTES, TensorRejected, all_finite
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
@@ -43,7 +44,9 @@ class ExchangeLink:
                  specs: Sequence[C.Spec], netem: LinkEmulator | None, max_round_skew: int,
                  poll_interval_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
-                 distrust_rounds: int = 10, roster: "Roster | None" = None):
+                 distrust_rounds: int = 10, roster: "Roster | None" = None,
+                 robust: PartnerClip | None = None,
+                 on_clip: Callable[[float, float, bool], None] | None = None):
         self.specs = list(specs)
         self.names = [s[0] for s in self.specs]
         self.run_id, self.peer_id, self.cfg_hash, self.grpc_addr = run_id, peer_id, cfg_hash, grpc_addr
@@ -66,6 +69,7 @@ class ExchangeLink:
         self.distrust_rounds = int(distrust_rounds)
         self.distrusted: dict[str, int] = {}   # peer ID -> last round it is refused/skipped
         self.roster = roster                   # async (round state) -> roster view; None: no roster check
+        self.robust, self.on_clip = robust, on_clip  # None: partners' tensors are averaged as sent
 
     # ------------------------------------------------------------------ streams
     async def open(self, addr: str, pid: str, st: C.Round, mode: str, timeout: float) -> TensorStream:
@@ -160,6 +164,31 @@ class ExchangeLink:
         if reason == "local_nonfinite":
             raise PeerError("local_nonfinite", detail)
         raise TensorRejected(reason, f"{detail}; dropped, this round is solo")
+
+    async def clip(self, st: C.Round, theirs: list[torch.Tensor], peer: str | None) -> list[torch.Tensor]:
+        """``theirs`` clipped toward our tensors by the robust rule (``optimizers/robust.py``;
+        the same list when not clipped or without ``robust``). Counts the clip factor, logs a
+        clipped contribution (``partner_clipped``) and charges ``peer`` (pass only a verified
+        one) once it was clipped hard ``strikes`` rounds in a row."""
+        if self.robust is None:
+            return theirs
+        big = sum(t.numel() * t.element_size() for t in theirs) >= THREAD_BYTES
+        judge = lambda: self.robust.clip(st.tensors, theirs, st.move, peer)  # noqa: E731
+        v = await asyncio.to_thread(judge) if big else judge()
+        if self.on_clip is not None:
+            try:
+                self.on_clip(v.factor, v.radius, v.hard)
+            except Exception:  # noqa: BLE001 - metrics must not break the exchange
+                log.exception("on_clip callback failed")
+        if v.factor < 1.0:
+            emit(log, "partner_clipped", "round {round}: partner {short} clipped to factor {factor:.3g} "
+                 "(distance {distance:.4g} > radius {radius:.4g})", level=logging.WARNING if v.hard else logging.INFO,
+                 round=st.round, short=(peer or "?")[:16], peer=peer, factor=round(v.factor, 4),
+                 distance=round(v.distance, 6), radius=round(v.radius, 6), hard=v.hard)
+        if v.charge:
+            self.count("clipped")
+            self.charge(peer, "clipped")
+        return v.tensors
 
     def rejected(self, peer: str | None, reason: str) -> None:
         """A stream's assembler refused ``peer``'s frame (digest, size, dtype, ...): count it and

@@ -119,6 +119,7 @@ async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
             theirs, recv = await link.recv_tensors(stream, check=False)
             await sender  # all of ours goes out before any verdict: the partner judges our tensors itself
             await link.check_bounds(st.tensors, theirs)
+            theirs = await link.clip(st, theirs, charge_to)  # robust averaging: the partner's pull is bounded
             mean = await link.mean([(link.peer_id, st.tensors), (pid, theirs)])
             await link.send_done(stream)
             await link.recv_done(stream)

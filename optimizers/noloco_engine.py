@@ -36,6 +36,7 @@ from models.optim import build_optimizer, inner_lr_scheduler, inner_step
 from optimizers.config import NoLoCoConfig
 from optimizers.noloco import make_outer
 from optimizers.outer_state import copy_into
+from optimizers.robust import distance
 
 __all__ = ["GoodState", "NoLoCoEngine", "OuterResult", "Placement"]
 
@@ -117,6 +118,7 @@ class NoLoCoEngine:
         self._good_norm: float | None = None  # ||good.phi||, computed once per good state
         self._sent_at = 0  # the step at which outgoing() took theta
         self._sends = 0  # rounds staged for sending: picks the host buffer set off the CPU
+        self.last_move = 0.0  # ||theta - phi|| when outgoing() took theta (the robust clip's own scale)
 
     # ---------------- set-up ----------------
     @property
@@ -197,6 +199,9 @@ class NoLoCoEngine:
         which are also the host theta a host-side outer state steps with."""
         self._sent_at = self.step
         theta = [p.detach() for p in self.params]
+        if self.cfg.robust != "off":
+            with torch.no_grad():
+                self.last_move = distance(theta, [_to(f, t.device) for f, t in zip(self.outer.phi, theta)])
         if self.placement.device.type == "cpu":
             return self.outer.exchange_tensors(theta)
         slot = self._sends % 2  # alternates every round, whatever the round label or a rollback does

@@ -47,12 +47,30 @@ WAIT_BOUND = Gauge("swarmnode_outer_wait_bound_seconds",
 EXTRA_STEPS = Counter("swarmnode_outer_wait_compute_steps_total",
                       "Inner steps added to rounds instead of waiting alone (noloco.compute_while_waiting).",
                       registry=REGISTRY)
+CLIP_FACTOR = Histogram("swarmnode_outer_partner_clip_factor",
+                        "Clip factor of each partner contribution (1 = used as sent; noloco.robust).",
+                        buckets=(0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), registry=REGISTRY)
+CLIPPED = Counter("swarmnode_outer_partners_clipped_total",
+                  "Partner contributions clipped (soft: factor in [0.5, 1), hard: below 0.5).", ["severity"],
+                  registry=REGISTRY)
+CLIP_RADIUS = Gauge("swarmnode_outer_clip_radius", "The robust averaging radius of the latest clipped-or-not "
+                    "partner contribution (noloco.robust_multiplier).", registry=REGISTRY)
 UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer update of phi.", registry=REGISTRY)
 
 # Every outcome exists from the start (at 0): rate() and increase() then see the first failed
 # round, and the dashboards and alerts (deploy/) show 0 instead of "no data".
 for _outcome in ("ok", "solo", "failed"):
     OUTER_ROUNDS.labels(outcome=_outcome)
+for _severity in ("soft", "hard"):
+    CLIPPED.labels(severity=_severity)
+
+
+def record_clip(factor: float, radius: float, hard: bool) -> None:
+    """One partner contribution judged by the robust clip (``optimizers/robust.py``)."""
+    CLIP_FACTOR.observe(factor)
+    CLIP_RADIUS.set(radius)
+    if factor < 1.0:
+        CLIPPED.labels(severity="hard" if hard else "soft").inc()
 
 
 @dataclass

@@ -49,6 +49,7 @@ from optimizers.exchange import ExchangeResult, OuterExchange, add_exchange_to_s
 from optimizers.exchange_common import TensorBounds
 from optimizers.noloco_engine import NoLoCoEngine, Placement
 from optimizers.noloco_settings import NoLoCoCard, RoleSettings, WorkerConfig
+from optimizers.robust import PartnerClip
 from optimizers.roster import ROSTER
 from optimizers.waiting import FINISHING, PeerPlan, someone_can_meet, steps_to_wait, wait_bound
 
@@ -95,7 +96,10 @@ class NoLoCoRole(TrainingRole):
             run_id=ctx.config.run_id, peer_id=ctx.peer_id, cfg_hash=self.cfg_hash, grpc_addr=ctx.grpc_addr,
             dht=ctx.membership.dht, specs=specs, netem=ctx.netem, max_round_skew=self.cfg.max_round_skew,
             max_message_bytes=ctx.config.grpc.max_message_bytes, on_reject=count_rejection,
-            bounds=TensorBounds(self.cfg.max_norm_ratio, self.cfg.max_distance_ratio, self.cfg.bound_floor_rms))
+            bounds=TensorBounds(self.cfg.max_norm_ratio, self.cfg.max_distance_ratio, self.cfg.bound_floor_rms),
+            robust=(None if self.cfg.robust == "off" else
+                    PartnerClip(self.cfg.robust_multiplier, self.cfg.robust_window, strikes=self.cfg.robust_strikes)),
+            on_clip=M.record_clip)
         self.tally = M.Tally()
         self._bad_rounds = 0  # outer steps refused in a row
 
@@ -304,7 +308,7 @@ class NoLoCoRole(TrainingRole):
         seconds waited, seconds spent computing inner steps meanwhile)."""
         if self.cfg.outer == "diloco":
             res = await self.exchange.group_average(rnd, tensors, self.cfg.round_timeout,
-                                                    expected=await self._live_workers())
+                                                    expected=await self._live_workers(), move=self.engine.last_move)
             return res, rnd, None, 0.0, 0.0
         # waiting costs nothing while the worker can train on (overlap): wait that long too
         step_s = self.tally.step_s
@@ -400,7 +404,7 @@ class NoLoCoRole(TrainingRole):
             self.exchange.stop_waiting(rnd, "wait_bound")))
         watch = asyncio.create_task(self._watch_wait(rnd, end_wall, later))  # this try's: cancelled below
         try:
-            res = await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout)
+            res = await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout, move=self.engine.last_move)
         finally:
             timer.cancel()
             watch.cancel()

@@ -60,9 +60,9 @@ def dhts(tmp_path_factory):
 
 
 class Worker:
-    def __init__(self, dht, peer_id, specs, cfg_hash, netem):
-        self.dht, self.peer_id, self.rejects = dht, peer_id, []
-        self.specs, self.cfg_hash, self.netem = specs, cfg_hash, netem
+    def __init__(self, dht, peer_id, specs, cfg_hash, netem, robust=None):
+        self.dht, self.peer_id, self.rejects, self.clips = dht, peer_id, [], []
+        self.specs, self.cfg_hash, self.netem, self.robust = specs, cfg_hash, netem, robust
 
     async def start(self):
         self.server = grpc.aio.server(options=server_options())
@@ -70,7 +70,8 @@ class Worker:
         self.addr = f"127.0.0.1:{port}"
         self.ex = OuterExchange(run_id=RUN, peer_id=self.peer_id, cfg_hash=self.cfg_hash, grpc_addr=self.addr,
                                 dht=self.dht, specs=self.specs, netem=self.netem, poll_interval_s=0.1,
-                                on_reject=self.rejects.append)
+                                on_reject=self.rejects.append, robust=self.robust,
+                                on_clip=lambda f, r, h: self.clips.append((f, r, h)))
         add_exchange_to_server(self.ex.servicer(), self.server)
         await self.server.start()
         return self
@@ -80,9 +81,9 @@ class Worker:
         await self.server.stop(0)
 
 
-async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None):
-    """n workers sorted by ascending peer ID."""
-    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem).start()
+async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None, robust=None):
+    """n workers sorted by ascending peer ID (``robust``: a PartnerClip factory)."""
+    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem, robust and robust()).start()
           for i, (d, p) in enumerate(dhts[:n])]
     return sorted(ws, key=lambda w: w.peer_id)
 
@@ -113,6 +114,37 @@ async def test_two_workers_exact_mean(dhts):
         for ma, mb, x, y in zip(ra.mean, rb.mean, a, b):
             assert torch.equal(ma, (x + y) / 2) and torch.equal(ma, mb)
         assert not ws[0].rejects and not ws[1].rejects
+    finally:
+        await stop_all(ws)
+
+
+async def test_robust_clip_bounds_a_poisoned_partner(dhts):
+    """Robust averaging on the wire: an honest pair's mean is the plain mean (clip factor 1, bitwise
+    equal on both sides); the issue's attacker (0.55 theta + 0.835 perm(theta)) moves the honest
+    side's mean by at most radius / 2 and is charged (strikes 1 here)."""
+    from optimizers.robust import PartnerClip, distance
+    ws = await workers(dhts, 2, robust=lambda: PartnerClip(multiplier=4.0, strikes=1, min_history=0))
+    try:
+        honest, other = ws
+        a = tensors(1)
+        near = [t + 1e-3 * torch.randn(t.shape, generator=torch.Generator().manual_seed(9)) for t in a]
+        r = next_round()
+        ra, rb = await asyncio.gather(honest.ex.pair_average(r, a, 10, move=0.05),
+                                      other.ex.pair_average(r, near, 10, move=0.05))
+        assert ra.outcome == rb.outcome == "ok"
+        for ma, mb, x, y in zip(ra.mean, rb.mean, a, near):
+            assert torch.equal(ma, (x + y) / 2) and torch.equal(ma, mb)
+        assert [f for f, _, _ in honest.clips] == [1.0] and [f for f, _, _ in other.clips] == [1.0]
+        g = torch.Generator().manual_seed(3)
+        poison = [(0.55 * t.reshape(-1) + 0.835 * t.reshape(-1)[torch.randperm(t.numel(), generator=g)]).reshape(t.shape)
+                  for t in a]
+        r = next_round()
+        ra, _ = await asyncio.gather(honest.ex.pair_average(r, a, 10, move=0.05),
+                                     other.ex.pair_average(r, poison, 10, move=0.05))
+        factor, radius, hard = honest.clips[-1]
+        assert ra.outcome == "ok" and hard and factor < 0.01
+        assert distance(a, ra.mean) <= radius / 2 + 1e-5
+        assert honest.rejects == ["clipped"] and honest.ex.link.is_distrusted(other.peer_id, r + 1)
     finally:
         await stop_all(ws)
 

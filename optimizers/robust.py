@@ -1,0 +1,158 @@
+"""Robust averaging: clip a partner's contribution to a radius that follows this run's honest partners.
+
+Owns the rule of docs/noloco.md, 'Robust averaging', in pure torch: the whole-model distance
+between two tensor lists, the clip of a partner's difference (ClippedGossip, He, Karimireddy,
+Jaggi 2022), CenteredClip (Karimireddy et al. 2021) for a group, and :class:`PartnerClip`, the
+small per-worker state that sets the radius and counts partners clipped hard. Does not own
+moving tensors, charging a peer or metrics: the exchange (``optimizers/exchange_link.py``)
+calls :meth:`PartnerClip.clip` where the partner's tensors arrive and acts on the verdict.
+
+The rule, for our tensors ``x`` and a partner's ``y`` (whole model, one radius)::
+
+    d   = ||y - x||
+    tau = multiplier * max(median(last `window` recorded distances), own_move)
+    y'  = x + min(1, tau / d) * (y - x)          # the partner's contribution, clipped
+    mean = (x + y') / n                           # n = 2: the step moves by at most tau / 2
+
+``own_move`` is ``||theta - phi||``, how far our own inner steps went this round: honest pairs
+sit at about that scale (two replicas' inner moves plus the replicas' spread), it needs no
+history (the warm-up rule of the first rounds) and a partner cannot shrink it, so an attacker
+that feeds tiny distances cannot drive the radius to zero and get honest partners clipped.
+The recorded distance is ``min(d, tau)``: a partner far away raises the history at most to
+the current radius, and the median of the window ignores a minority of such rounds. Both
+terms shrink as the swarm converges (the LR decays, the replicas' spread contracts).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["ClipVerdict", "PartnerClip", "centered_clip", "clip_toward", "distance"]
+
+_BLOCK = 1 << 20  # elements per float64 pass
+
+
+@torch.no_grad()
+def distance(ours: Sequence[Tensor], theirs: Sequence[Tensor]) -> float:
+    """``||theirs - ours||`` over the whole list, accumulated in float64 (inf if not finite)."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} tensors of ours vs {len(theirs)} of theirs")
+    total = 0.0
+    for a, b in zip(ours, theirs):
+        fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
+        for s in range(0, fa.numel(), _BLOCK):
+            d = fb[s:s + _BLOCK].to(torch.float64) - fa[s:s + _BLOCK].to(torch.float64)
+            total += float(torch.dot(d, d))
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def clip_factor(dist: float, radius: float) -> float:
+    """min(1, radius / dist); 1.0 for a zero distance, 0.0 for an infinite one."""
+    if not dist > radius:
+        return 1.0
+    return 0.0 if math.isinf(dist) else radius / dist
+
+
+@torch.no_grad()
+def clip_toward(ours: Sequence[Tensor], theirs: Sequence[Tensor], factor: float) -> list[Tensor]:
+    """``ours + factor * (theirs - ours)`` per tensor, in the partner tensors' dtype; with
+    ``factor`` 1 the partner's own tensors come back untouched (the mean stays bitwise the
+    plain mean both partners compute)."""
+    if factor >= 1.0:
+        return list(theirs)
+    out = []
+    for a, b in zip(ours, theirs):
+        a32 = a.detach().to(torch.float32)
+        out.append((a32 + factor * (b.detach().to(torch.float32) - a32)).to(b.dtype))
+    return out
+
+
+@torch.no_grad()
+def centered_clip(parts: Sequence[Sequence[Tensor]], center: Sequence[Tensor], radius: float,
+                  iters: int = 1) -> tuple[list[Tensor], list[float]]:
+    """CenteredClip: ``v <- v + mean_j clip(x_j - v, radius)``, ``iters`` times from ``center``.
+    Returns (v, the clip factors of the last iteration, one per part). Each part moves the
+    result by at most ``radius / len(parts)`` per iteration, whatever it holds."""
+    if not parts:
+        raise ValueError("centered_clip needs at least one part")
+    v = [c.detach().to(torch.float32).clone() for c in center]
+    factors: list[float] = []
+    for _ in range(max(1, iters)):
+        factors = [clip_factor(distance(v, p), radius) for p in parts]
+        acc = [torch.zeros_like(t) for t in v]
+        for p, f in zip(parts, factors):
+            if f > 0:
+                for s, t, c in zip(acc, p, v):
+                    s.add_(t.detach().to(torch.float32) - c, alpha=f)
+        for c, s in zip(v, acc):
+            c.add_(s, alpha=1.0 / len(parts))
+    return v, factors
+
+
+@dataclass(frozen=True)
+class ClipVerdict:
+    factor: float
+    """min(1, radius / distance): 1.0 means the contribution was used as sent."""
+    distance: float
+    radius: float
+    tensors: list[Tensor]
+    """The contribution to average: the partner's own tensors when ``factor`` is 1."""
+    hard: bool
+    """factor < ``hard_factor``: counted as a hard clip."""
+    charge: bool
+    """The partner was clipped hard ``strikes`` rounds in a row with a settled history: the
+    caller should charge it (skip it as a partner)."""
+
+
+class PartnerClip:
+    """One worker's clipping state: a window of recent partner distances and per-partner strikes.
+
+    Deterministic and small (``window`` floats and a bounded strike table). It is not saved in
+    checkpoints: after a restart the radius starts again from ``own_move`` alone, which is the
+    same rule as a fresh worker's warm-up.
+    """
+
+    def __init__(self, multiplier: float = 4.0, window: int = 16, hard_factor: float = 0.5,
+                 strikes: int = 3, min_history: int = 4):
+        if not multiplier > 0 or window < 1 or not 0 < hard_factor <= 1 or strikes < 1 or min_history < 0:
+            raise ValueError(f"bad robust clip settings: multiplier={multiplier}, window={window}, "
+                             f"hard_factor={hard_factor}, strikes={strikes}, min_history={min_history}")
+        self.multiplier, self.hard_factor = float(multiplier), float(hard_factor)
+        self.strikes, self.min_history = int(strikes), int(min_history)
+        self.history: deque[float] = deque(maxlen=int(window))
+        self.hard_in_row: dict[str, int] = {}
+
+    def radius(self, own_move: float) -> float:
+        """``multiplier * max(median(history), own_move)``."""
+        med = statistics.median(self.history) if self.history else 0.0
+        return self.multiplier * max(med, float(own_move))
+
+    def clip(self, ours: Sequence[Tensor], theirs: Sequence[Tensor], own_move: float,
+             peer: str | None = None) -> ClipVerdict:
+        """Clip ``theirs`` toward ``ours`` and record the round (see the module doc)."""
+        d = distance(ours, theirs)
+        tau = self.radius(own_move)
+        factor = clip_factor(d, tau)
+        settled = len(self.history) >= self.min_history
+        self.history.append(min(d, tau))
+        hard = factor < self.hard_factor
+        charge = False
+        if peer is not None:
+            if hard:
+                n = self.hard_in_row[peer] = self.hard_in_row.get(peer, 0) + 1
+                # a joiner or straggler is pulled closer by each exchange and soon stops being
+                # clipped hard; only a partner that stays far `strikes` rounds in a row is charged
+                charge = settled and n >= self.strikes
+            else:
+                self.hard_in_row.pop(peer, None)
+            if len(self.hard_in_row) > 4096:  # bounded: forget the smallest counts
+                for p, _ in sorted(self.hard_in_row.items(), key=lambda kv: kv[1])[:1024]:
+                    del self.hard_in_row[p]
+        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, factor), hard, charge)
