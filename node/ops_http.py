@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from node.lifecycle import Lifecycle, State
+from node.logs import emit
 from node.metrics import OPS_CONNECTIONS, OPS_CONNECTIONS_CLOSED, REGISTRY
 from node.swarm_metrics import CENSUS, SWARM_REGISTRY
 
@@ -201,9 +202,8 @@ class OpsServer:
     def start(self) -> None:
         self._thread.start()
         self._ready.wait(10.0)
-        log.info("ops HTTP on %s port %d", ",".join(self.hosts), self.port,
-                 extra={"event": "ops_http_started", "port": self.port, "hosts": self.hosts,
-                        "max_connections": self.max_connections})
+        emit(log, "ops_http_started", "ops HTTP on {where} port {port}", where=",".join(self.hosts),
+             port=self.port, hosts=self.hosts, max_connections=self.max_connections)
 
     def stop(self) -> None:
         loop = self._loop
