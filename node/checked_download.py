@@ -8,7 +8,11 @@ rejects the others by name (``swarmnode_state_donors_rejected_total{reason}``, a
 (round, iteration) that at least ``quorum`` agreeing donors served
 (``node.donor_choice.supported_label``), never one donor's claim alone. A donor that is the only
 peer there is (the first joiner of a one-worker swarm) is adopted unchecked and said so in a
-``state_donor_unchecked`` event. Called by ``TrainingRole.download_state`` (node/training.py).
+``state_donor_unchecked`` event. A donor that refused for a reason that passes
+(``StateFetchError.transient``: it has not read the joiner's new card yet, it is busy) is asked
+again after a short wait while the download budget lasts, before the choice: otherwise one slow
+honest donor leaves an honest and a forged state, no majority, and the joiner starts from
+scratch. Called by ``TrainingRole.download_state`` (node/training.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from node.donor_choice import Candidate, choose_donor, supported_label
 from node.logs import emit
 from node.state_sync import StateFetchError, meta_int
 
-__all__ = ["Downloaded", "download_checked"]
+__all__ = ["Downloaded", "download_checked", "RETRY_S"]
+
+RETRY_S = 1.0
+"""Seconds before a donor that refused transiently is asked again (doubling per retry): about
+twice the interval at which a donor re-reads the node cards for an unknown caller
+(node/known_peers.py ``wait_known``), so the second call finds the joiner's card."""
 
 Fetch = Callable[[CardView], Awaitable[tuple[dict[str, str], dict[str, torch.Tensor]]]]
 
@@ -51,15 +60,19 @@ class Downloaded:
 async def download_checked(donors: Sequence[CardView], fetch: Fetch, names: Sequence[str], *, log: logging.Logger,
                            progress_key: str, min_progress: int, ahead: int = 0, compare: int = 3,
                            tries: int = 3, max_distance: float = 0.5, quorum: int = 2,
-                           offload: Callable[..., Awaitable[Any]] | None = None) -> Downloaded | None:
+                           offload: Callable[..., Awaitable[Any]] | None = None,
+                           retry_s: float = RETRY_S) -> Downloaded | None:
     """Download from ``donors`` (best first) until ``compare`` succeeded or ``compare + tries - 1``
-    were tried, then choose. ``fetch(view)`` downloads one donor's (meta, tensors); ``names``
-    are the tensors compared (the weights); a served progress outside ``[min_progress, card +
-    ahead]`` is a failed download. None when nothing could be downloaded or no majority agreed
+    downloads were tried, then choose. ``fetch(view)`` downloads one donor's (meta, tensors);
+    ``names`` are the tensors compared (the weights); a served progress outside ``[min_progress,
+    card + ahead]`` is a failed download. When every donor was asked and fewer than ``compare``
+    answered, the ones that refused transiently are asked again after ``retry_s`` (doubling each
+    time) while the budget lasts. None when nothing could be downloaded or no majority agreed
     (each case logged and counted)."""
     run = offload or asyncio.to_thread
     got: list[tuple[CardView, dict[str, str], dict[str, torch.Tensor], int]] = []
     queue, budget = list(donors), max(1, compare) + max(0, tries - 1)
+    again: list[CardView] = []  # refused transiently: worth asking again
 
     async def one(view: CardView):
         addr = view.card.grpc_addr
@@ -72,12 +85,24 @@ async def download_checked(donors: Sequence[CardView], fetch: Fetch, names: Sequ
         except StateFetchError as exc:
             NM.STATE_DOWNLOADS.labels(outcome="failed").inc()
             emit(log, "state_download_failed", "state download failed: {error}", level=logging.WARNING,
-                 error=str(exc), donor=view.peer_id)
+                 error=str(exc), donor=view.peer_id, transient=exc.transient)
+            if exc.transient:
+                again.append(view)
             return None
         NM.STATE_DOWNLOADS.labels(outcome="ok").inc()
         return view, meta, tensors, served
 
-    while queue and budget > 0 and len(got) < compare:
+    delay = retry_s
+    while budget > 0 and len(got) < compare:
+        if not queue:
+            if not again:
+                break
+            queue, again[:] = list(again), []
+            emit(log, "state_download_retry", "asking {donors} again in {delay_s:.1f} s: refused for a reason that "
+                 "passes ({have} of {want} donors downloaded)", donors=[v.peer_id for v in queue],
+                 delay_s=delay, have=len(got), want=compare)
+            await asyncio.sleep(delay)
+            delay *= 2
         wave = queue[:min(compare - len(got), budget)]
         queue, budget = queue[len(wave):], budget - len(wave)
         got += [r for r in await asyncio.gather(*(one(v) for v in wave)) if r is not None]

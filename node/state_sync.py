@@ -11,9 +11,10 @@ both). A donor serves at most ``max_concurrent`` downloads at once (RESOURCE_EXH
 
 :func:`fetch_state` checks the run, the cfg hash, every name, dtype and shape (the stream
 assembler refuses anything else before allocating), that each tensor comes once, and
-finiteness, and raises :class:`StateFetchError` with the reason. :func:`order_donors` picks
-whom to ask: live READY peers of the same role and config, most advanced first, random among
-ties (joiners spread the load).
+finiteness, and raises :class:`StateFetchError` with the reason (``transient`` when asking
+the donor again a moment later may work). :func:`order_donors` picks whom to ask: live READY
+peers of the same role and config, most advanced first, random among ties (joiners spread the
+load).
 """
 
 from __future__ import annotations
@@ -114,7 +115,22 @@ def add_state_service(servicer: StateServicer, server: grpc.aio.Server) -> None:
 
 
 class StateFetchError(Exception):
-    pass
+    """A state download that failed, with the reason. ``transient``: the donor refused for a
+    reason that passes (its view of the members has not caught up with a new node's card yet, it
+    is serving its maximum of downloads, it has no state yet, the connection dropped), so asking
+    it again a moment later may work; a wrong config, a malformed or non-finite state is not."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+TRANSIENT_CODES = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             grpc.StatusCode.UNAVAILABLE})
+"""Refusals worth a retry (``StateFetchError.transient``): a donor answers PERMISSION_DENIED to a
+caller whose node card it has not read yet (a joiner's first seconds), RESOURCE_EXHAUSTED when it
+serves ``max_concurrent`` downloads, UNAVAILABLE before its first snapshot or when the connection
+fails. DEADLINE_EXCEEDED is not among them: a donor too slow for ``timeout`` is skipped."""
 
 
 def meta_int(meta: Mapping[str, str], key: str, addr: str = "the peer") -> int:
@@ -161,7 +177,8 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expect
             meta = {k[len(META_PREFIX):]: v for k, v in raw.items() if k.startswith(META_PREFIX)}
             if CFG_KEY not in meta:  # refused before streaming: report the server's reason
                 code = await call.code()
-                raise StateFetchError(f"state download from {addr} refused: {code.name}: {await call.details()}")
+                raise StateFetchError(f"state download from {addr} refused: {code.name}: {await call.details()}",
+                                      transient=code in TRANSIENT_CODES)
             theirs = meta.pop(CFG_KEY)
             if theirs != cfg_hash:
                 raise StateFetchError(f"peer {addr} runs cfg_hash {theirs!r}, ours is {cfg_hash!r}: its role/model "
@@ -172,9 +189,10 @@ async def fetch_state(addr: str, run_id: str, sender: str, cfg_hash: str, expect
             call.cancel()
             raise StateFetchError(f"state from {addr} rejected ({exc.reason}): {exc}") from None
         except grpc.aio.AioRpcError as exc:
-            raise StateFetchError(f"state download from {addr} failed: {exc.code().name}: {exc.details()}") from None
+            raise StateFetchError(f"state download from {addr} failed: {exc.code().name}: {exc.details()}",
+                                  transient=exc.code() in TRANSIENT_CODES) from None
         except ConnectionError as exc:  # security.peer_auth.UnresolvedTarget: no card names addr yet
-            raise StateFetchError(f"state download from {addr} not attempted: {exc}") from None
+            raise StateFetchError(f"state download from {addr} not attempted: {exc}", transient=True) from None
     missing = sorted(set(want) - set(out))
     if missing:
         raise StateFetchError(f"state from {addr} lacks {missing[:5]}")
