@@ -21,6 +21,16 @@ that feeds tiny distances cannot drive the radius to zero and get honest partner
 The recorded distance is ``min(d, tau)``: a partner far away raises the history at most to
 the current radius, and the median of the window ignores a minority of such rounds. Both
 terms shrink as the swarm converges (the LR decays, the replicas' spread contracts).
+
+Memory (who gets charged): a partner's last ``window`` contributions with us are remembered
+as clipped hard (factor < ``hard_factor``) or not; it is charged once ``strikes`` of them were
+hard and our history is settled. That catches a partner far away round after round as well as
+one that poisons only now and then (an unclipped round in between does not wipe its record).
+An honest joiner starts from a downloaded state, one own-move from the swarm: it is not
+clipped at all; a straggler or a joiner without a download is far for a round or two and is
+then pulled in by each exchange (every mean halves its distance to its partner), so it stays
+below ``strikes`` hard clips. Each further charge of the same partner doubles how long it is
+skipped (``ClipVerdict.charges``).
 """
 
 from __future__ import annotations
@@ -107,8 +117,10 @@ class ClipVerdict:
     hard: bool
     """factor < ``hard_factor``: counted as a hard clip."""
     charge: bool
-    """The partner was clipped hard ``strikes`` rounds in a row with a settled history: the
-    caller should charge it (skip it as a partner)."""
+    """The partner was clipped hard in ``strikes`` of its last ``window`` rounds with us, with a
+    settled history: the caller should charge it (skip it as a partner)."""
+    charges: int = 0
+    """How many times this partner was charged for clipping, this one included (0: no charge)."""
 
 
 class PartnerClip:
@@ -126,8 +138,10 @@ class PartnerClip:
                              f"hard_factor={hard_factor}, strikes={strikes}, min_history={min_history}")
         self.multiplier, self.hard_factor = float(multiplier), float(hard_factor)
         self.strikes, self.min_history = int(strikes), int(min_history)
-        self.history: deque[float] = deque(maxlen=int(window))
-        self.hard_in_row: dict[str, int] = {}
+        self.window = int(window)
+        self.history: deque[float] = deque(maxlen=self.window)
+        self.record: dict[str, deque[bool]] = {}  # partner -> its last `window` rounds with us: hard clip?
+        self.charged: dict[str, int] = {}         # partner -> charges for clipping so far
 
     def radius(self, own_move: float) -> float:
         """``multiplier * max(median(history), own_move)``."""
@@ -143,16 +157,24 @@ class PartnerClip:
         settled = len(self.history) >= self.min_history
         self.history.append(min(d, tau))
         hard = factor < self.hard_factor
-        charge = False
+        charge, charges = False, 0
         if peer is not None:
-            if hard:
-                n = self.hard_in_row[peer] = self.hard_in_row.get(peer, 0) + 1
-                # a joiner or straggler is pulled closer by each exchange and soon stops being
-                # clipped hard; only a partner that stays far `strikes` rounds in a row is charged
-                charge = settled and n >= self.strikes
-            else:
-                self.hard_in_row.pop(peer, None)
-            if len(self.hard_in_row) > 4096:  # bounded: forget the smallest counts
-                for p, _ in sorted(self.hard_in_row.items(), key=lambda kv: kv[1])[:1024]:
-                    del self.hard_in_row[p]
-        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, factor), hard, charge)
+            rec = self.record.get(peer)
+            if rec is None:
+                rec = self.record[peer] = deque(maxlen=self.window)
+            rec.append(hard)
+            if hard and settled and sum(rec) >= self.strikes:
+                charge = True
+                charges = self.charged[peer] = self.charged.get(peer, 0) + 1
+                rec.clear()  # a fresh record once it is back
+            if len(self.record) > 4096:  # bounded: forget the partners with the fewest hard clips
+                for p, _ in sorted(self.record.items(), key=lambda kv: sum(kv[1]))[:1024]:
+                    del self.record[p]
+            if len(self.charged) > 4096:
+                for p, _ in sorted(self.charged.items(), key=lambda kv: kv[1])[:1024]:
+                    del self.charged[p]
+        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, factor), hard, charge, charges)
+
+    def hard_count(self, peer: str) -> int:
+        """Hard clips in ``peer``'s current record (its last ``window`` rounds with us)."""
+        return sum(self.record.get(peer, ()))

@@ -130,8 +130,26 @@ def test_joiner_is_not_charged_while_it_closes_in():
     ours = [torch.zeros(4)]
     far = [torch.full((4,), 10.0)]
     near = [torch.full((4,), 0.1)]
-    seq = [clip.clip(ours, t, own_move=0.5, peer="j").charge for t in (far, far, near, far, far)]
-    assert seq == [False] * 5
+    seq = [clip.clip(ours, t, own_move=0.5, peer="j") for t in (far, far, *[near] * 20)]
+    assert [v.hard for v in seq[:3]] == [True, True, False]
+    assert not any(v.charge for v in seq)
+    assert clip.hard_count("j") == 0  # the two early hard clips left its record
+
+
+def test_rare_poisoner_is_charged_and_charged_again_counts_up():
+    """A partner that poisons one round in 5 and looks honest in between (so it is never clipped
+    hard twice in a row) is charged at its third hard clip within ``window`` rounds; a second
+    offence after the charge counts as a second charge (the caller skips it twice as long)."""
+    clip = PartnerClip(multiplier=2.0, window=16, strikes=3, min_history=0)
+    ours, far, near = [torch.zeros(4)], [torch.full((4,), 10.0)], [torch.full((4,), 0.1)]
+    verdicts = [clip.clip(ours, far if (i + 1) % 5 == 0 else near, own_move=0.5, peer="rare") for i in range(30)]
+    charged = [i + 1 for i, v in enumerate(verdicts) if v.charge]
+    assert charged == [15, 30]  # its 3rd and 6th poisoned rounds
+    assert [verdicts[i - 1].charges for i in charged] == [1, 2]
+    # a poisoner rarer than the window allows (1 in 8: 2 hard clips per 16 rounds) is clipped, never charged
+    slow = PartnerClip(multiplier=2.0, window=16, strikes=3, min_history=0)
+    vs = [slow.clip(ours, far if (i + 1) % 8 == 0 else near, own_move=0.5, peer="r8") for i in range(40)]
+    assert sum(v.hard for v in vs) == 5 and not any(v.charge for v in vs)
 
 
 def test_settings_are_validated():
