@@ -46,7 +46,7 @@ class ExchangeLink:
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
                  distrust_rounds: int = 10, roster: "Roster | None" = None,
                  robust: PartnerClip | None = None,
-                 on_clip: Callable[[float, float, bool], None] | None = None):
+                 on_clip: Callable[[float, float, bool, bool], None] | None = None):
         self.specs = list(specs)
         self.names = [s[0] for s in self.specs]
         self.run_id, self.peer_id, self.cfg_hash, self.grpc_addr = run_id, peer_id, cfg_hash, grpc_addr
@@ -178,7 +178,7 @@ class ExchangeLink:
         v = await asyncio.to_thread(judge) if big else judge()
         if self.on_clip is not None:
             try:
-                self.on_clip(v.factor, v.radius, v.hard)
+                self.on_clip(v.factor, v.radius, v.hard, v.charge)
             except Exception:  # noqa: BLE001 - metrics must not break the exchange
                 log.exception("on_clip callback failed")
         if v.factor < 1.0:
@@ -187,8 +187,7 @@ class ExchangeLink:
                  round=st.round, short=(peer or "?")[:16], peer=peer, factor=round(v.factor, 4),
                  distance=round(v.distance, 6), radius=round(v.radius, 6), hard=v.hard,
                  hard_count=self.robust.hard_count(peer) if peer else None)
-        if v.charge:
-            self.count("clipped")
+        if v.charge:  # counted by on_clip (swarmnode_outer_partners_charged_clipped_total)
             self.charge(peer, "clipped", v.charges)
         return v.tensors
 

@@ -104,10 +104,10 @@ class NoLoCoRole(TrainingRole):
         self._bad_rounds = 0  # outer steps refused in a row
         self._clipped_hard = 0  # partner contributions clipped hard (the card's ``clipped_hard``)
 
-    def _on_clip(self, factor: float, radius: float, hard: bool) -> None:
+    def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
         """A partner contribution judged by the robust clip: metrics; a hard clip also counts
         on the node card (``clipped_hard``, published with the next round's card)."""
-        M.record_clip(factor, radius, hard)
+        M.record_clip(factor, radius, hard, charged)
         if hard:
             self._clipped_hard += 1
             self.update_card(NoLoCoCard(clipped_hard=self._clipped_hard))

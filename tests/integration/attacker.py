@@ -28,7 +28,8 @@ Kinds (``--kind``):
         --outer noloco --model '{"d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}' \\
         --seconds 60 --out /tmp/attacker.json
 
-Prints ``start <peer_id>`` once it serves, then, at the end (``--seconds`` or SIGTERM), one JSON
+Prints ``loaded`` once its DHT is up (it then waits for the workers' cards), ``start <peer_id>``
+once it serves, then, at the end (``--seconds`` or SIGTERM), one JSON
 line of its tallies (also written to ``--out``).
 """
 
@@ -277,6 +278,7 @@ def main(argv=None) -> int:
     bz = ByzantinePartner(att, args.kind, args.outer, specs, multiplier=args.multiplier, fraction=args.fraction,
                           every=args.every, round_timeout=args.round_timeout, seed=args.seed)
     set_client_auth(ClientAuth(att.signer, bz.addrs.get))
+    print("loaded", flush=True)  # imports done, DHT up: a harness may start the workers now
     stop = asyncio.Event()
 
     def on_term(*_):
