@@ -18,8 +18,11 @@ The rule, for our tensors ``x`` and a partner's ``y`` (whole model, one radius):
 sit at about that scale (two replicas' inner moves plus the replicas' spread), it needs no
 history (the warm-up rule of the first rounds) and a partner cannot shrink it, so an attacker
 that feeds tiny distances cannot drive the radius to zero and get honest partners clipped.
-The recorded distance is ``min(d, tau)``: a partner far away raises the history at most to
-the current radius, and the median of the window ignores a minority of such rounds. Both
+The recorded distance is ``min(d, tau, record_cap * own_move)``: a partner far away raises
+the history at most to twice our own move, so the radius stays within ``multiplier`` x
+[1, ``record_cap``] own moves even when one partner fills the whole window (a partner that is
+always waiting is every worker's first choice; with the cap at the radius alone, measured on
+real processes, the radius grew 4x per window and the recipe attacker was never clipped hard). Both
 terms shrink as the swarm converges (the LR decays, the replicas' spread contracts).
 
 Memory (who gets charged): a partner's last ``window`` contributions with us are remembered
@@ -132,12 +135,13 @@ class PartnerClip:
     """
 
     def __init__(self, multiplier: float = 4.0, window: int = 16, hard_factor: float = 0.5,
-                 strikes: int = 3, min_history: int = 4):
+                 strikes: int = 3, min_history: int = 4, record_cap: float = 2.0):
         if not multiplier > 0 or window < 1 or not 0 < hard_factor <= 1 or strikes < 1 or min_history < 0:
             raise ValueError(f"bad robust clip settings: multiplier={multiplier}, window={window}, "
                              f"hard_factor={hard_factor}, strikes={strikes}, min_history={min_history}")
         self.multiplier, self.hard_factor = float(multiplier), float(hard_factor)
         self.strikes, self.min_history = int(strikes), int(min_history)
+        self.record_cap = float(record_cap)
         self.window = int(window)
         self.history: deque[float] = deque(maxlen=self.window)
         self.record: dict[str, deque[bool]] = {}  # partner -> its last `window` rounds with us: hard clip?
@@ -155,7 +159,11 @@ class PartnerClip:
         tau = self.radius(own_move)
         factor = clip_factor(d, tau)
         settled = len(self.history) >= self.min_history
-        self.history.append(min(d, tau))
+        # a far partner raises the history at most to `record_cap` own moves: a partner we meet
+        # every round (an attacker that always waits is everyone's first choice) cannot walk
+        # the median, and with it the radius, up round after round
+        cap = self.record_cap * float(own_move) if own_move > 0 else math.inf
+        self.history.append(min(d, tau, cap))
         hard = factor < self.hard_factor
         charge, charges = False, 0
         if peer is not None:

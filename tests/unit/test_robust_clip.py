@@ -39,10 +39,22 @@ def test_crafted_numbers():
     assert torch.allclose(v.tensors[0], torch.tensor([1.2, 0.0])) and torch.allclose(v.tensors[1], torch.tensor([2.6]))
     # the step: mean moves 1.0 from ours (radius / 2), not 2.5
     assert distance(ours, _mean(ours, v.tensors)) == pytest.approx(1.0)
-    assert list(clip.history) == [0.5, 1.0, 2.0, 2.0]  # recorded min(d, radius)
+    assert list(clip.history) == [0.5, 1.0, 2.0, 0.5]  # recorded min(d, radius, 2 x own move)
     # own move dominates an empty or small history (the warm-up rule)
     assert PartnerClip(multiplier=3.0).radius(0.5) == 1.5
     assert clip_factor(0.0, 0.0) == 1.0 and clip_factor(math.inf, 1.0) == 0.0
+
+
+def test_a_partner_met_every_round_cannot_walk_the_radius_up():
+    """Found on real processes: an attacker that is always waiting is every worker's partner;
+    recorded at the radius, its distances made the median (and the radius) grow 4x per window
+    until it was no longer clipped. Recorded at most at 2 own moves, the radius stays within
+    multiplier x [1, 2] own moves and the attacker stays clipped hard."""
+    clip = PartnerClip(multiplier=4.0, window=16, min_history=0)
+    ours, far = [torch.zeros(4)], [torch.full((4,), 50.0)]  # distance 100
+    verdicts = [clip.clip(ours, far, own_move=1.0, peer=f"a{i % 3}") for i in range(60)]
+    assert max(v.radius for v in verdicts) <= 8.0 + 1e-9
+    assert all(v.hard for v in verdicts)
 
 
 def test_factor_one_returns_partner_tensors_untouched():
