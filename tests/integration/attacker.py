@@ -7,10 +7,13 @@ a test tool, not a daemon role.
 
 Kinds (``--kind``):
 
-* ``recipe``: the issue's attacker. It downloads a worker's current weights once and answers
-  every exchange with ``0.55 * theta + 0.835 * perm(theta)`` (each tensor's own values
+* ``recipe``: the issue's attacker. It answers every exchange with
+  ``0.55 * theta + 0.835 * perm(theta)`` of the current weights (each tensor's own values
   shuffled: the honest RMS, a whole-model distance of about 0.95 x ||theta||, inside the fixed
-  bounds ``max_norm_ratio`` 4 and ``max_distance_ratio`` 1).
+  bounds ``max_norm_ratio`` 4 and ``max_distance_ratio`` 1). The issue's attacker downloaded
+  the weights once and served them for 45 s; this one is there from the first round, so it
+  takes the latest phi it downloaded (the closest one to the victim's theta in a pair):
+  weights of the initial model would fail the norm bound against a trained one.
 * ``adaptive``: knows the public clip rule (``optimizers/robust.py``: radius = multiplier x
   max(median partner distance, the victim's own move ||theta - phi||)) and measures the scale
   itself: it downloads every worker's phi about once a second. In a NoLoCo pair it reads the
@@ -96,7 +99,6 @@ class ByzantinePartner:
         self.addrs: dict[str, str] = {}            # worker gRPC address -> peer ID (signing resolver)
         self.workers: dict[str, str] = {}          # worker peer ID -> gRPC address
         self.phis: dict[str, list[torch.Tensor]] = {}  # worker peer ID -> its latest downloaded phi
-        self.fixed: list[torch.Tensor] | None = None   # the recipe's tensors (downloaded once)
         self.progress: list[torch.Tensor] | None = None  # DiLoCo: the last group mean - phi
         self.sends = 0
         self.tally: dict[str, Any] = {"kind": kind, "outer": outer, "peer_id": att.peer_id, "tries": 0, "ok": 0,
@@ -159,10 +161,10 @@ class ByzantinePartner:
     def pair_tensors(self, theirs: list[torch.Tensor]) -> list[torch.Tensor]:
         """NoLoCo: our contribution, chosen after reading the victim's theta."""
         theirs = [t.detach().to(torch.float32) for t in theirs]
+        phi = min(self.phis.values(), key=lambda p: distance(theirs, p)) if self.phis else None
         if self.kind == "recipe":
             self.tally["poisoned"] += 1
-            return [t.clone() for t in self.fixed]
-        phi = min(self.phis.values(), key=lambda p: distance(theirs, p)) if self.phis else None
+            return recipe(phi if phi is not None else theirs, self.gen)
         if self.kind == "rare":
             if self._poison_due():
                 self.tally["poisoned"] += 1
@@ -178,7 +180,7 @@ class ByzantinePartner:
         honest = phi if self.progress is None else [p + d for p, d in zip(phi, self.progress)]
         if self.kind == "recipe":
             self.tally["poisoned"] += 1
-            return [t.clone() for t in self.fixed]
+            return recipe(phi, self.gen)
         if self.kind == "rare":
             if self._poison_due():
                 self.tally["poisoned"] += 1
@@ -222,9 +224,7 @@ class ByzantinePartner:
             except Exception:  # noqa: BLE001 - a failed DHT read: try again
                 rounds = []
             phi = next(iter(self.phis.values()), None)
-            if not rounds or phi is None or (self.kind == "recipe" and self.fixed is None):
-                if phi is not None and self.kind == "recipe":
-                    self.fixed = recipe(phi, self.gen)  # downloaded once, then served for the whole attack
+            if not rounds or phi is None:
                 await asyncio.sleep(0.2)
                 continue
             r = max(rounds)
