@@ -147,7 +147,8 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.integration.attacker", "--bootstrap", swarm.bootstrap_maddr,
                  "--run-id", run_id, "--model", json.dumps(MODEL), "--kind", kind, "--outer", outer,
-                 "--seconds", str(timeout_s), "--round-timeout", "4", "--seed", str(seed), "--out", str(out)],
+                 "--seconds", str(timeout_s), "--round-timeout", "4", "--seed", str(seed), "--out", str(out),
+                 "--after-round", str(cfg.get("attack_after_round", 0))],
                 stdout=subprocess.PIPE, stderr=open(workdir / "attacker.log", "w"), text=True,
                 start_new_session=True)
             if proc.stdout.readline().strip() != "loaded":  # its imports take long on a loaded machine

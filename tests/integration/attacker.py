@@ -88,12 +88,13 @@ class ByzantinePartner:
     """The attack policy and its tallies, on top of a ``hostile.Attacker`` (its loop, DHT, server)."""
 
     def __init__(self, att: Attacker, kind: str, outer: str, specs, *, multiplier: float = 4.0,
-                 fraction: float = 0.95, every: int = 5, round_timeout: float = 4.0, seed: int = 0):
+                 fraction: float = 0.95, every: int = 5, round_timeout: float = 4.0, seed: int = 0,
+                 after_round: int = 0):
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r}: choose one of {KINDS}")
         self.att, self.kind, self.outer, self.specs = att, kind, outer, specs
         self.multiplier, self.fraction, self.every = multiplier, fraction, max(1, every)
-        self.round_timeout = round_timeout
+        self.round_timeout, self.after_round = round_timeout, after_round
         self.gen = torch.Generator().manual_seed(seed)
         self.cfg_hash: str | None = None
         self.addrs: dict[str, str] = {}            # worker gRPC address -> peer ID (signing resolver)
@@ -224,7 +225,7 @@ class ByzantinePartner:
             except Exception:  # noqa: BLE001 - a failed DHT read: try again
                 rounds = []
             phi = next(iter(self.phis.values()), None)
-            if not rounds or phi is None:
+            if not rounds or phi is None or max(rounds) < self.after_round:
                 await asyncio.sleep(0.2)
                 continue
             r = max(rounds)
@@ -260,6 +261,8 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--multiplier", type=float, default=4.0, help="the clip rule it assumes (noloco.robust_multiplier)")
     ap.add_argument("--fraction", type=float, default=0.95, help="adaptive: where in the radius to sit")
     ap.add_argument("--every", type=int, default=5, help="rare: poison one exchange in this many")
+    ap.add_argument("--after-round", type=int, default=0,
+                    help="attack once the workers reached this round (the issue's attacker joins a trained swarm)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the tallies here (JSON)")
     return ap.parse_args(argv)
@@ -276,7 +279,8 @@ def main(argv=None) -> int:
     att = Attacker(swarm, tmp, "attacker", key=high_key())
     specs, _ = model_specs(json.loads(args.model))
     bz = ByzantinePartner(att, args.kind, args.outer, specs, multiplier=args.multiplier, fraction=args.fraction,
-                          every=args.every, round_timeout=args.round_timeout, seed=args.seed)
+                          every=args.every, round_timeout=args.round_timeout, seed=args.seed,
+                          after_round=args.after_round)
     set_client_auth(ClientAuth(att.signer, bz.addrs.get))
     print("loaded", flush=True)  # imports done, DHT up: a harness may start the workers now
     stop = asyncio.Event()
