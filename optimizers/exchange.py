@@ -84,7 +84,7 @@ class OuterExchange:
                  max_round_skew: int = 2, poll_interval_s: float = 0.25,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
-                 robust: PartnerClip | None = None, on_clip: Callable[[float, float, bool], None] | None = None):
+                 robust: PartnerClip | None = None, on_clip: Callable[[float, float, bool, bool], None] | None = None):
         public_key_of(peer_id)  # raises for a non-Ed25519 peer ID
         if not specs:
             raise ValueError("OuterExchange needs at least one tensor spec")

@@ -46,7 +46,7 @@ class ExchangeLink:
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
                  distrust_rounds: int = 10, roster: "Roster | None" = None,
                  robust: PartnerClip | None = None,
-                 on_clip: Callable[[float, float, bool], None] | None = None):
+                 on_clip: Callable[[float, float, bool, bool], None] | None = None):
         self.specs = list(specs)
         self.names = [s[0] for s in self.specs]
         self.run_id, self.peer_id, self.cfg_hash, self.grpc_addr = run_id, peer_id, cfg_hash, grpc_addr
@@ -169,7 +169,8 @@ class ExchangeLink:
         """``theirs`` clipped toward our tensors by the robust rule (``optimizers/robust.py``;
         the same list when not clipped or without ``robust``). Counts the clip factor, logs a
         clipped contribution (``partner_clipped``) and charges ``peer`` (pass only a verified
-        one) once it was clipped hard ``strikes`` rounds in a row."""
+        one) once it was clipped hard in ``strikes`` of its last ``window`` rounds with us
+        (each further charge skips it twice as long)."""
         if self.robust is None:
             return theirs
         big = sum(t.numel() * t.element_size() for t in theirs) >= THREAD_BYTES
@@ -177,17 +178,17 @@ class ExchangeLink:
         v = await asyncio.to_thread(judge) if big else judge()
         if self.on_clip is not None:
             try:
-                self.on_clip(v.factor, v.radius, v.hard)
+                self.on_clip(v.factor, v.radius, v.hard, v.charge)
             except Exception:  # noqa: BLE001 - metrics must not break the exchange
                 log.exception("on_clip callback failed")
         if v.factor < 1.0:
             emit(log, "partner_clipped", "round {round}: partner {short} clipped to factor {factor:.3g} "
                  "(distance {distance:.4g} > radius {radius:.4g})", level=logging.WARNING if v.hard else logging.INFO,
                  round=st.round, short=(peer or "?")[:16], peer=peer, factor=round(v.factor, 4),
-                 distance=round(v.distance, 6), radius=round(v.radius, 6), hard=v.hard)
-        if v.charge:
-            self.count("clipped")
-            self.charge(peer, "clipped")
+                 distance=round(v.distance, 6), radius=round(v.radius, 6), hard=v.hard,
+                 hard_count=self.robust.hard_count(peer) if peer else None)
+        if v.charge:  # counted by on_clip (swarmnode_outer_partners_charged_clipped_total)
+            self.charge(peer, "clipped", v.charges)
         return v.tensors
 
     def rejected(self, peer: str | None, reason: str) -> None:
@@ -197,12 +198,13 @@ class ExchangeLink:
         self.count(reason)
         self.charge(peer, reason)
 
-    def charge(self, peer: str | None, reason: str) -> None:
-        """``peer`` sent input we rejected: skip it as a partner for ``distrust_rounds`` rounds.
+    def charge(self, peer: str | None, reason: str, times: int = 1) -> None:
+        """``peer`` sent input we rejected: skip it as a partner for ``distrust_rounds`` rounds
+        (``times``: its n-th charge of this kind, skipped 2**(n-1) times as long, at most 64x).
         Pass only a peer we know sent it (the one we called, or the caller's verified ID)."""
         if not peer or self.distrust_rounds <= 0:
             return
-        until = (self.last_round or 0) + self.distrust_rounds
+        until = (self.last_round or 0) + self.distrust_rounds * 2 ** min(6, max(0, times - 1))
         self.distrusted[peer] = max(until, self.distrusted.get(peer, 0))
         emit(log, "partner_charged", "partner {short} charged ({reason}): not paired with until round {until_round}",
              level=logging.WARNING, short=peer[:16], peer=peer, reason=reason, until_round=until)

@@ -55,6 +55,9 @@ CLIPPED = Counter("swarmnode_outer_partners_clipped_total",
                   registry=REGISTRY)
 CLIP_RADIUS = Gauge("swarmnode_outer_clip_radius", "The robust averaging radius of the latest clipped-or-not "
                     "partner contribution (noloco.robust_multiplier).", registry=REGISTRY)
+CLIP_CHARGES = Counter("swarmnode_outer_partners_charged_clipped_total",
+                       "Partners charged (skipped as partners) for repeated hard clips (noloco.robust_strikes).",
+                       registry=REGISTRY)
 UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer update of phi.", registry=REGISTRY)
 
 # Every outcome exists from the start (at 0): rate() and increase() then see the first failed
@@ -65,9 +68,12 @@ for _severity in ("soft", "hard"):
     CLIPPED.labels(severity=_severity)
 
 
-def record_clip(factor: float, radius: float, hard: bool) -> None:
-    """One partner contribution judged by the robust clip (``optimizers/robust.py``)."""
+def record_clip(factor: float, radius: float, hard: bool, charged: bool = False) -> None:
+    """One partner contribution judged by the robust clip (``optimizers/robust.py``);
+    ``charged``: this one got the partner charged."""
     CLIP_FACTOR.observe(factor)
+    if charged:
+        CLIP_CHARGES.inc()
     CLIP_RADIUS.set(radius)
     if factor < 1.0:
         CLIPPED.labels(severity="hard" if hard else "soft").inc()

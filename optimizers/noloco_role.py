@@ -99,11 +99,21 @@ class NoLoCoRole(TrainingRole):
             bounds=TensorBounds(self.cfg.max_norm_ratio, self.cfg.max_distance_ratio, self.cfg.bound_floor_rms),
             robust=(None if self.cfg.robust == "off" else
                     PartnerClip(self.cfg.robust_multiplier, self.cfg.robust_window, strikes=self.cfg.robust_strikes)),
-            on_clip=M.record_clip)
+            on_clip=self._on_clip)
         self.tally = M.Tally()
         self._bad_rounds = 0  # outer steps refused in a row
+        self._clipped_hard = 0  # partner contributions clipped hard (the card's ``clipped_hard``)
+
+    def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
+        """A partner contribution judged by the robust clip: metrics; a hard clip also counts
+        on the node card (``clipped_hard``, published with the next round's card)."""
+        M.record_clip(factor, radius, hard, charged)
+        if hard:
+            self._clipped_hard += 1
+            self.update_card(NoLoCoCard(clipped_hard=self._clipped_hard))
 
     # ---------------- what the base asks of the role ----------------
+
     def services(self) -> list[Service]:
         return [Service(add_exchange_to_server, self.exchange.servicer(), "swarmnode.NoLoCo"), *super().services()]
 

@@ -83,3 +83,7 @@ class NoLoCoCard(TrainingCard):
     """Unix time the worker expects its next exchange (``optimizers.waiting.NEXT_EXCHANGE_AT``)."""
     finishing: bool | None = None
     """True with the worker's last round: nobody waits for it (``optimizers.waiting.FINISHING``)."""
+    clipped_hard: int | None = None
+    """Partner contributions this worker clipped hard since it started (``noloco.robust``; each
+    also logged as ``partner_clipped``): above 0 only with a partner far from the swarm, which
+    means an attacker, or a peer that kept training alone on other data. Set from the first."""

@@ -18,9 +18,22 @@ The rule, for our tensors ``x`` and a partner's ``y`` (whole model, one radius):
 sit at about that scale (two replicas' inner moves plus the replicas' spread), it needs no
 history (the warm-up rule of the first rounds) and a partner cannot shrink it, so an attacker
 that feeds tiny distances cannot drive the radius to zero and get honest partners clipped.
-The recorded distance is ``min(d, tau)``: a partner far away raises the history at most to
-the current radius, and the median of the window ignores a minority of such rounds. Both
+The recorded distance is ``min(d, tau, record_cap * own_move)``: a partner far away raises
+the history at most to twice our own move, so the radius stays within ``multiplier`` x
+[1, ``record_cap``] own moves even when one partner fills the whole window (a partner that is
+always waiting is every worker's first choice; with the cap at the radius alone, measured on
+real processes, the radius grew 4x per window and the recipe attacker was never clipped hard). Both
 terms shrink as the swarm converges (the LR decays, the replicas' spread contracts).
+
+Memory (who gets charged): a partner's last ``window`` contributions with us are remembered
+as clipped hard (factor < ``hard_factor``) or not; it is charged once ``strikes`` of them were
+hard and our history is settled. That catches a partner far away round after round as well as
+one that poisons only now and then (an unclipped round in between does not wipe its record).
+An honest joiner starts from a downloaded state, one own-move from the swarm: it is not
+clipped at all; a straggler or a joiner without a download is far for a round or two and is
+then pulled in by each exchange (every mean halves its distance to its partner), so it stays
+below ``strikes`` hard clips. Each further charge of the same partner doubles how long it is
+skipped (``ClipVerdict.charges``).
 """
 
 from __future__ import annotations
@@ -107,8 +120,10 @@ class ClipVerdict:
     hard: bool
     """factor < ``hard_factor``: counted as a hard clip."""
     charge: bool
-    """The partner was clipped hard ``strikes`` rounds in a row with a settled history: the
-    caller should charge it (skip it as a partner)."""
+    """The partner was clipped hard in ``strikes`` of its last ``window`` rounds with us, with a
+    settled history: the caller should charge it (skip it as a partner)."""
+    charges: int = 0
+    """How many times this partner was charged for clipping, this one included (0: no charge)."""
 
 
 class PartnerClip:
@@ -120,14 +135,17 @@ class PartnerClip:
     """
 
     def __init__(self, multiplier: float = 4.0, window: int = 16, hard_factor: float = 0.5,
-                 strikes: int = 3, min_history: int = 4):
+                 strikes: int = 3, min_history: int = 4, record_cap: float = 2.0):
         if not multiplier > 0 or window < 1 or not 0 < hard_factor <= 1 or strikes < 1 or min_history < 0:
             raise ValueError(f"bad robust clip settings: multiplier={multiplier}, window={window}, "
                              f"hard_factor={hard_factor}, strikes={strikes}, min_history={min_history}")
         self.multiplier, self.hard_factor = float(multiplier), float(hard_factor)
         self.strikes, self.min_history = int(strikes), int(min_history)
-        self.history: deque[float] = deque(maxlen=int(window))
-        self.hard_in_row: dict[str, int] = {}
+        self.record_cap = float(record_cap)
+        self.window = int(window)
+        self.history: deque[float] = deque(maxlen=self.window)
+        self.record: dict[str, deque[bool]] = {}  # partner -> its last `window` rounds with us: hard clip?
+        self.charged: dict[str, int] = {}         # partner -> charges for clipping so far
 
     def radius(self, own_move: float) -> float:
         """``multiplier * max(median(history), own_move)``."""
@@ -141,18 +159,30 @@ class PartnerClip:
         tau = self.radius(own_move)
         factor = clip_factor(d, tau)
         settled = len(self.history) >= self.min_history
-        self.history.append(min(d, tau))
+        # a far partner raises the history at most to `record_cap` own moves: a partner we meet
+        # every round (an attacker that always waits is everyone's first choice) cannot walk
+        # the median, and with it the radius, up round after round
+        cap = self.record_cap * float(own_move) if own_move > 0 else math.inf
+        self.history.append(min(d, tau, cap))
         hard = factor < self.hard_factor
-        charge = False
+        charge, charges = False, 0
         if peer is not None:
-            if hard:
-                n = self.hard_in_row[peer] = self.hard_in_row.get(peer, 0) + 1
-                # a joiner or straggler is pulled closer by each exchange and soon stops being
-                # clipped hard; only a partner that stays far `strikes` rounds in a row is charged
-                charge = settled and n >= self.strikes
-            else:
-                self.hard_in_row.pop(peer, None)
-            if len(self.hard_in_row) > 4096:  # bounded: forget the smallest counts
-                for p, _ in sorted(self.hard_in_row.items(), key=lambda kv: kv[1])[:1024]:
-                    del self.hard_in_row[p]
-        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, factor), hard, charge)
+            rec = self.record.get(peer)
+            if rec is None:
+                rec = self.record[peer] = deque(maxlen=self.window)
+            rec.append(hard)
+            if hard and settled and sum(rec) >= self.strikes:
+                charge = True
+                charges = self.charged[peer] = self.charged.get(peer, 0) + 1
+                rec.clear()  # a fresh record once it is back
+            if len(self.record) > 4096:  # bounded: forget the partners with the fewest hard clips
+                for p, _ in sorted(self.record.items(), key=lambda kv: sum(kv[1]))[:1024]:
+                    del self.record[p]
+            if len(self.charged) > 4096:
+                for p, _ in sorted(self.charged.items(), key=lambda kv: kv[1])[:1024]:
+                    del self.charged[p]
+        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, factor), hard, charge, charges)
+
+    def hard_count(self, peer: str) -> int:
+        """Hard clips in ``peer``'s current record (its last ``window`` rounds with us)."""
+        return sum(self.record.get(peer, ()))

@@ -61,8 +61,13 @@ def dhts(tmp_path_factory):
 
 class Worker:
     def __init__(self, dht, peer_id, specs, cfg_hash, netem, robust=None):
-        self.dht, self.peer_id, self.rejects, self.clips = dht, peer_id, [], []
+        self.dht, self.peer_id, self.rejects, self.clips, self.charges = dht, peer_id, [], [], []
         self.specs, self.cfg_hash, self.netem, self.robust = specs, cfg_hash, netem, robust
+
+    def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
+        self.clips.append((factor, radius, hard))
+        if charged:
+            self.charges.append(factor)
 
     async def start(self):
         self.server = grpc.aio.server(options=server_options())
@@ -71,7 +76,7 @@ class Worker:
         self.ex = OuterExchange(run_id=RUN, peer_id=self.peer_id, cfg_hash=self.cfg_hash, grpc_addr=self.addr,
                                 dht=self.dht, specs=self.specs, netem=self.netem, poll_interval_s=0.1,
                                 on_reject=self.rejects.append, robust=self.robust,
-                                on_clip=lambda f, r, h: self.clips.append((f, r, h)))
+                                on_clip=self._on_clip)
         add_exchange_to_server(self.ex.servicer(), self.server)
         await self.server.start()
         return self
@@ -144,7 +149,9 @@ async def test_robust_clip_bounds_a_poisoned_partner(dhts):
         factor, radius, hard = honest.clips[-1]
         assert ra.outcome == "ok" and hard and factor < 0.01
         assert distance(a, ra.mean) <= radius / 2 + 1e-5
-        assert honest.rejects == ["clipped"] and honest.ex.link.is_distrusted(other.peer_id, r + 1)
+        # charged (skipped as a partner), counted as a clip charge, not as a rejected tensor
+        assert not honest.rejects and len(honest.charges) == 1
+        assert honest.ex.link.is_distrusted(other.peer_id, r + 1)
     finally:
         await stop_all(ws)
 

@@ -39,10 +39,22 @@ def test_crafted_numbers():
     assert torch.allclose(v.tensors[0], torch.tensor([1.2, 0.0])) and torch.allclose(v.tensors[1], torch.tensor([2.6]))
     # the step: mean moves 1.0 from ours (radius / 2), not 2.5
     assert distance(ours, _mean(ours, v.tensors)) == pytest.approx(1.0)
-    assert list(clip.history) == [0.5, 1.0, 2.0, 2.0]  # recorded min(d, radius)
+    assert list(clip.history) == [0.5, 1.0, 2.0, 0.5]  # recorded min(d, radius, 2 x own move)
     # own move dominates an empty or small history (the warm-up rule)
     assert PartnerClip(multiplier=3.0).radius(0.5) == 1.5
     assert clip_factor(0.0, 0.0) == 1.0 and clip_factor(math.inf, 1.0) == 0.0
+
+
+def test_a_partner_met_every_round_cannot_walk_the_radius_up():
+    """Found on real processes: an attacker that is always waiting is every worker's partner;
+    recorded at the radius, its distances made the median (and the radius) grow 4x per window
+    until it was no longer clipped. Recorded at most at 2 own moves, the radius stays within
+    multiplier x [1, 2] own moves and the attacker stays clipped hard."""
+    clip = PartnerClip(multiplier=4.0, window=16, min_history=0)
+    ours, far = [torch.zeros(4)], [torch.full((4,), 50.0)]  # distance 100
+    verdicts = [clip.clip(ours, far, own_move=1.0, peer=f"a{i % 3}") for i in range(60)]
+    assert max(v.radius for v in verdicts) <= 8.0 + 1e-9
+    assert all(v.hard for v in verdicts)
 
 
 def test_factor_one_returns_partner_tensors_untouched():
@@ -130,8 +142,26 @@ def test_joiner_is_not_charged_while_it_closes_in():
     ours = [torch.zeros(4)]
     far = [torch.full((4,), 10.0)]
     near = [torch.full((4,), 0.1)]
-    seq = [clip.clip(ours, t, own_move=0.5, peer="j").charge for t in (far, far, near, far, far)]
-    assert seq == [False] * 5
+    seq = [clip.clip(ours, t, own_move=0.5, peer="j") for t in (far, far, *[near] * 20)]
+    assert [v.hard for v in seq[:3]] == [True, True, False]
+    assert not any(v.charge for v in seq)
+    assert clip.hard_count("j") == 0  # the two early hard clips left its record
+
+
+def test_rare_poisoner_is_charged_and_charged_again_counts_up():
+    """A partner that poisons one round in 5 and looks honest in between (so it is never clipped
+    hard twice in a row) is charged at its third hard clip within ``window`` rounds; a second
+    offence after the charge counts as a second charge (the caller skips it twice as long)."""
+    clip = PartnerClip(multiplier=2.0, window=16, strikes=3, min_history=0)
+    ours, far, near = [torch.zeros(4)], [torch.full((4,), 10.0)], [torch.full((4,), 0.1)]
+    verdicts = [clip.clip(ours, far if (i + 1) % 5 == 0 else near, own_move=0.5, peer="rare") for i in range(30)]
+    charged = [i + 1 for i, v in enumerate(verdicts) if v.charge]
+    assert charged == [15, 30]  # its 3rd and 6th poisoned rounds
+    assert [verdicts[i - 1].charges for i in charged] == [1, 2]
+    # a poisoner rarer than the window allows (1 in 8: 2 hard clips per 16 rounds) is clipped, never charged
+    slow = PartnerClip(multiplier=2.0, window=16, strikes=3, min_history=0)
+    vs = [slow.clip(ours, far if (i + 1) % 8 == 0 else near, own_move=0.5, peer="r8") for i in range(40)]
+    assert sum(v.hard for v in vs) == 5 and not any(v.charge for v in vs)
 
 
 def test_settings_are_validated():

@@ -1,0 +1,282 @@
+"""Robust averaging against Byzantine partners on REAL processes (issue 32; docs/noloco.md,
+'Robust averaging'). Writes one JSON.
+
+Per outer mode (NoLoCo pairs, DiLoCo global average): a bootstrap, W honest ``noloco`` workers
+and, in the attacked runs, one attacker process (``python -m tests.integration.attacker``: its
+own key, an open-mode member that pairs, or joins the DiLoCo average as a member). Every run
+trains the same inner steps (``exit_after``); the attacker starts once the workers are ready and
+attacks until they finish. Runs: clean with the defence (``noloco.robust=clip``), clean without
+(``noloco.robust=off``), each attacker with the defence (``recipe``: the issue's
+``0.55 theta + 0.835 perm(theta)``; ``adaptive``: sits at 0.95 x the clip radius it estimates,
+against the victim's progress, every round; ``rare``: poisons one exchange in 5), and the
+recipe without the defence (the "today" figure).
+
+Summary, per mode (``summary.noloco``, ``summary.diloco``) and worst of both at the top:
+  eval_loss_ratio_under_attack_vs_clean    honest workers' mean final eval loss, worst attack
+                                           with the defence / clean with it        target <= 1.05
+  eval_loss_ratio_defense_vs_none_clean    clean, defence on / off                 target <= 1.01
+  honest_partner_clip_rate                 honest contributions clipped (factor < 1) / judged,
+                                           over every defended run                 target <= 0.05
+  rounds_to_ban_attacker                   per attack: the attacker's contributions the first
+                                           worker to charge it judged before charging it (None:
+                                           never charged)                          (report)
+  eval_loss_ratio_no_defense_under_attack_vs_clean   recipe without the defence / clean without
+
+Where the numbers come from: each worker's own log (``training_finished`` eval_loss_end,
+``averaging_round_done`` partners, ``partner_clipped``, ``partner_charged``). A contribution is
+judged by the side that averages it: both sides of a pair, the root of a DiLoCo group (the
+lowest peer ID) for each member.
+
+    python benchmarks/robust_gossip.py --quick --out /tmp/robust_gossip.json   # < 5 min on 2 cores
+    python benchmarks/robust_gossip.py --out /tmp/robust_gossip_full.json      # 5-minute attacks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+if __package__ in (None, ""):  # allow `python benchmarks/robust_gossip.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.localswarm import LocalSwarm, NodeProc  # noqa: E402
+
+MODEL = dict(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+COMMON = [
+    "noloco.eval_every=0", "noloco.eval_batches=8", "noloco.checkpoint_every=0", "noloco.torch_threads=1",
+    "noloco.inner.lr=0.003", "noloco.inner.warmup=10", "noloco.round_timeout=4",
+    *(f"model.{k}={v}" for k, v in MODEL.items()),
+    "data.seq_len=64", "data.batch_size=8", "data.max_train_bytes=1000000", "data.max_val_bytes=100000",
+    "card.ttl_s=10", "card.refresh_s=2", "drain.budget_s=10", "security.known_peers_refresh_s=2",
+]
+# FULL: W=4 honest workers, inner phases of ~1.5 s, 5 minutes of training (and attack) per run.
+ALL_RUNS = ("clean_on", "clean_off", "recipe_on", "adaptive_on", "rare_on", "recipe_off")
+FULL = dict(W=4, H=10, steps=2000, delay_s=0.15, parallel=1, runs={"noloco": ALL_RUNS, "diloco": ALL_RUNS})
+QUICK = dict(W=4, H=10, steps=100, delay_s=0.1, parallel=2,
+             runs={"noloco": ("clean_on", "clean_off", "recipe_on", "adaptive_on", "recipe_off"),
+                   "diloco": ("clean_on", "recipe_on")})
+QUICK_REDUCED = ("100 inner steps (about 15 s of training and attack) per run instead of 5 minutes; the rare "
+                 "attacker left out; DiLoCo runs only clean and the recipe attack with the defence (so its "
+                 "defence-on/off ratio and no-defence figure are absent); two swarms run at once")
+TARGETS = {"eval_loss_ratio_under_attack_vs_clean": 1.05, "eval_loss_ratio_defense_vs_none_clean": 1.01,
+           "honest_partner_clip_rate": 0.05}
+
+
+def records(node: NodeProc, event: str | None = None) -> list[dict]:
+    out = []
+    for line in node.log_text().splitlines():
+        if line.startswith("{") and (event is None or f'"event": "{event}"' in line):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def judged(rec: dict, me: str, outer: str) -> list[str]:
+    """The partners whose contributions ``me`` averaged in one ``averaging_round_done`` record."""
+    if rec.get("outcome") != "ok":
+        return []
+    partners = list(rec.get("partners") or [])
+    if outer == "noloco":
+        return partners
+    return partners if partners and me < min(partners) else []  # the DiLoCo root judges each member
+
+
+def worker_figures(node: NodeProc, outer: str, honest: set[str], attacker: str | None) -> dict[str, Any]:
+    recs = records(node)
+    done = [r for r in recs if r.get("event") == "training_finished"]
+    if not done:
+        raise RuntimeError(f"{node.name} did not finish training; log tail:\n{node.log_text()[-2000:]}")
+    judged_honest = judged_att = clipped_honest = hard_honest = 0
+    clipped_att = hard_att = 0
+    to_charge = None  # attacker contributions clipped before the first charge
+    for r in recs:
+        ev = r.get("event")
+        if ev == "averaging_round_done":
+            ps = judged(r, node.peer_id, outer)
+            judged_honest += sum(p in honest for p in ps)
+            judged_att += sum(p == attacker for p in ps)
+        elif ev == "partner_clipped":
+            if r.get("peer") in honest:
+                clipped_honest += 1
+                hard_honest += bool(r.get("hard"))
+            elif attacker and r.get("peer") == attacker:
+                clipped_att += 1
+                hard_att += bool(r.get("hard"))
+        elif ev == "partner_charged" and attacker and r.get("peer") == attacker and r.get("reason") == "clipped":
+            if to_charge is None:
+                to_charge = clipped_att
+    rounds = [r for r in recs if r.get("event") == "averaging_round_done"]
+    return {"name": node.name, "eval_loss_end": done[-1]["eval_loss_end"], "steps": done[-1].get("step"),
+            "rounds": len(rounds), "rounds_ok": sum(r.get("outcome") == "ok" for r in rounds),
+            "rounds_with_attacker": sum(attacker in (r.get("partners") or []) for r in rounds if attacker),
+            "honest_judged": judged_honest, "honest_clipped": clipped_honest, "honest_clipped_hard": hard_honest,
+            "attacker_judged_ok": judged_att, "attacker_clipped": clipped_att, "attacker_clipped_hard": hard_att,
+            "attacker_clipped_before_charge": to_charge,
+            "attacker_charges": sum(1 for r in recs if r.get("event") == "partner_charged"
+                                    and attacker and r.get("peer") == attacker),
+            "rollbacks": sum(1 for r in recs if r.get("event") == "outer_rollback")}
+
+
+def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """One run: bootstrap + W honest workers (+ an attacker) until every worker did ``steps``."""
+    kind, defence = name.rsplit("_", 1)
+    settings = [*COMMON, f"noloco.inner_steps={cfg['H']}", f"noloco.exit_after={cfg['steps']}",
+                f"noloco.seed={seed}", f"noloco.compute_delay_s={cfg['delay_s']}",
+                f"noloco.robust={'clip' if defence == 'on' else 'off'}"] + \
+        (["noloco.outer=diloco"] if outer == "diloco" else [])
+    t0 = time.monotonic()
+    run_id = f"robust-{outer}-{name}".replace("_", "-")
+    with LocalSwarm(run_id=run_id, workdir=workdir, common_set=settings) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap")
+        swarm.wait_ready([boot], timeout=180)
+        proc, tally = None, None
+        if kind != "clean":  # in place before the workers train: it waits for their cards
+            out = workdir / "attacker.json"
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.attacker", "--bootstrap", swarm.bootstrap_maddr,
+                 "--run-id", run_id, "--model", json.dumps(MODEL), "--kind", kind, "--outer", outer,
+                 "--seconds", str(timeout_s), "--round-timeout", "4", "--seed", str(seed), "--out", str(out),
+                 "--after-round", str(cfg.get("attack_after_round", 0))],
+                stdout=subprocess.PIPE, stderr=open(workdir / "attacker.log", "w"), text=True,
+                start_new_session=True)
+            if proc.stdout.readline().strip() != "loaded":  # its imports take long on a loaded machine
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"the attacker did not start:\n{(workdir / 'attacker.log').read_text()[-2000:]}")
+        workers = [swarm.start("noloco", name=f"w{i}") for i in range(cfg["W"])]
+        try:
+            deadline = time.monotonic() + timeout_s
+            while any(w.alive() for w in workers):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{outer} {name}: workers still running after {timeout_s:.0f} s")
+                time.sleep(0.5)
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    text, _ = proc.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    text, _ = proc.communicate()
+                lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+                tally = json.loads(lines[-1]) if lines else {"error": (workdir / "attacker.log").read_text()[-2000:]}
+        bad = [w for w in workers if w.proc.returncode != 0]
+        if bad:
+            raise RuntimeError(f"{bad[0].name} exited {bad[0].proc.returncode}:\n{bad[0].log_text()[-2000:]}")
+        honest = {w.peer_id for w in workers}
+        attacker = tally.get("peer_id") if tally else None
+        per = [worker_figures(w, outer, honest, attacker) for w in workers]
+    charged = [p["attacker_clipped_before_charge"] for p in per if p["attacker_clipped_before_charge"] is not None]
+    return {"outer": outer, "run": name, "wall_s": round(time.monotonic() - t0, 1),
+            "eval_loss_end_mean": statistics.fmean(p["eval_loss_end"] for p in per),
+            "honest_judged": sum(p["honest_judged"] for p in per),
+            "honest_clipped": sum(p["honest_clipped"] for p in per),
+            "attacker_judged_ok": sum(p["attacker_judged_ok"] for p in per),
+            "attacker_clipped_hard": sum(p["attacker_clipped_hard"] for p in per),
+            "rounds_to_ban_attacker": min(charged) if charged else None,
+            "workers_that_charged_attacker": len(charged),
+            "attacker": tally, "workers": per}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def mode_summary(runs: dict[str, dict]) -> dict[str, Any]:
+    ev = {k: r["eval_loss_end_mean"] for k, r in runs.items()}
+    attacks = [k for k in runs if k.endswith("_on") and not k.startswith("clean")]
+    under = {k: _ratio(ev[k], ev.get("clean_on")) for k in attacks}
+    defended = [r for k, r in runs.items() if k.endswith("_on")]
+    judged_h = sum(r["honest_judged"] for r in defended)
+    out = {
+        "eval_loss_ratio_under_attack_vs_clean": max((v for v in under.values() if v is not None), default=None),
+        "eval_loss_ratio_under_attack_vs_clean_per_attack": under,
+        "eval_loss_ratio_defense_vs_none_clean": _ratio(ev.get("clean_on"), ev.get("clean_off")),
+        "honest_partner_clip_rate": sum(r["honest_clipped"] for r in defended) / judged_h if judged_h else None,
+        "honest_contributions_judged": judged_h,
+        "rounds_to_ban_attacker": {k.rsplit("_", 1)[0]: runs[k]["rounds_to_ban_attacker"] for k in attacks},
+        "eval_loss_end_mean": ev,
+    }
+    if "recipe_off" in runs:
+        out["eval_loss_ratio_no_defense_under_attack_vs_clean"] = _ratio(ev["recipe_off"], ev.get("clean_off"))
+    return out
+
+
+def run(quick: bool, seed: int, out: str | None, outers: Sequence[str], keep: str | None = None) -> dict[str, Any]:
+    cfg = QUICK if quick else FULL
+    t0 = time.monotonic()
+    runs: dict[str, dict[str, dict]] = {o: {} for o in outers}
+    timeout = 240.0 if quick else 900.0
+    jobs = [(o, name) for o in outers for name in cfg["runs"][o]]
+    with TemporaryDirectory(prefix="robust-gossip-") as tmp:
+        tmp = keep or tmp
+        def one(job):
+            o, name = job
+            print(f"running {o} {name} ...", file=sys.stderr, flush=True)
+            r = run_swarm(o, name, cfg, seed, Path(tmp) / f"{o}-{name}", timeout)
+            print(f"  {o} {name}: eval loss {r['eval_loss_end_mean']:.4f}, honest clipped "
+                  f"{r['honest_clipped']}/{r['honest_judged']}, attacker ok {r['attacker_judged_ok']} hard-clipped "
+                  f"{r['attacker_clipped_hard']} charged after {r['rounds_to_ban_attacker']}, {r['wall_s']} s",
+                  file=sys.stderr, flush=True)
+            return job, r
+        with ThreadPoolExecutor(max_workers=cfg["parallel"]) as pool:
+            for (o, name), r in pool.map(one, jobs):
+                runs[o][name] = r
+    per_mode = {o: mode_summary(runs[o]) for o in outers}
+
+    def worst(key: str) -> float | None:
+        vals = [per_mode[o][key] for o in outers if per_mode[o].get(key) is not None]
+        return max(vals) if vals else None
+    summary: dict[str, Any] = {o: per_mode[o] for o in outers}
+    for key in ("eval_loss_ratio_under_attack_vs_clean", "eval_loss_ratio_defense_vs_none_clean",
+                "honest_partner_clip_rate", "eval_loss_ratio_no_defense_under_attack_vs_clean"):
+        summary[key] = worst(key)
+    summary["rounds_to_ban_attacker"] = {o: per_mode[o]["rounds_to_ban_attacker"] for o in outers}
+    summary["targets_met"] = {k: summary[k] is not None and summary[k] <= t for k, t in TARGETS.items()}
+    result = {"benchmark": "robust_gossip", "measured": True, "quick": quick, "seed": seed,
+              "wall_s": round(time.monotonic() - t0, 1),
+              "quick_reduced": QUICK_REDUCED if quick else None,
+              "config": {**{k: v for k, v in cfg.items()}, "common_set": COMMON, "model": MODEL},
+              "summary": summary, "runs": runs}
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short runs (< 5 min on 2 cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument("--outer", action="append", choices=("noloco", "diloco"),
+                    help="only this outer mode (repeatable; default both)")
+    ap.add_argument("--keep", metavar="DIR", help="keep the runs' logs under DIR")
+    ap.add_argument("--parallel", type=int, help="swarms at once (default: 1 full, 3 quick)")
+    ap.add_argument("--runs", help="comma-separated subset of the runs (e.g. clean_on,recipe_on), for a look")
+    args = ap.parse_args(argv)
+    if args.runs:
+        for c in (QUICK, FULL):
+            c["runs"] = {o: tuple(args.runs.split(",")) for o in ("noloco", "diloco")}
+    if args.parallel:
+        for c in (QUICK, FULL):
+            c["parallel"] = args.parallel
+    res = run(args.quick, args.seed, args.out, args.outer or ["noloco", "diloco"], args.keep)
+    print(json.dumps(res["summary"], indent=1))
+    print(f"wall {res['wall_s']} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
