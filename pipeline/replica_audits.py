@@ -142,12 +142,16 @@ class ReplicaAudits:
         self._detail: dict = {"blocked": {}}             # /readyz, replaced whole (read on the ops thread)
         self._pool: ChannelPool | None = None            # the evidence downloads (unreplicated stages)
         self._now = False                                # audit every unreplicated stage at the next poll
+        self._warm = False                               # the audit modules were built ahead
         self._solo_seen: dict[int, tuple[str, int]] = {}  # stage -> (node, newest commit) at its last audit
         ready_details.provide("stage_audits", lambda: self._detail)
 
     def note(self, views: list[CardView], members: list[tuple], scheduled: list[tuple]) -> None:
         """Remember every live node's published commit; audit a stage whose replicas disagree, and
         unreplicated stages at random."""
+        if not self._warm and scheduled:
+            self._warm = True
+            asyncio.get_running_loop().run_in_executor(None, self._warm_up)
         live = {m[0] for m in members}
         for v in views:
             if v.peer_id not in live:
@@ -166,6 +170,18 @@ class ReplicaAudits:
                 peers = [m for m in scheduled if m[1] == stage]
                 self._start(stage, self.audit_stage(stage, it, peers))
         self._audit_unreplicated(scheduled)
+
+    def _warm_up(self) -> None:
+        """Worker thread, once a schedule runs: build what an audit of each transformer stage
+        needs (state specs, the recomputation module), so the first audits do not pay for it
+        while the pipeline runs on."""
+        try:
+            for stage in range(1, self.stages):
+                self.spec.stage_spec(stage)
+                if self.spec.module is not None:
+                    self.spec.module(stage)
+        except Exception as exc:  # noqa: BLE001 - an audit builds them again and says what fails
+            log.info("audit warm-up failed: %r", exc)
 
     def _start(self, stage: int, coro) -> None:
         self._tasks[stage] = asyncio.get_running_loop().create_task(coro, name=f"audit_stage{stage}")
@@ -236,7 +252,7 @@ class ReplicaAudits:
         emit(log, "replica_audit", "stage {stage} audit: {n_passed} replay, {n_failed} do not, {n_inconclusive} "
              "inconclusive", stage=stage, iteration=it, n_passed=len(passed), n_failed=len(failed),
              n_inconclusive=len(verdicts) - len(passed) - len(failed), passed=passed,
-             failed={p: v[1] for p, v in failed.items()})
+             failed={p: v[1] for p, v in failed.items()}, notes={p: verdicts[p][1] for p in passed})
         if solo:
             for peer, (_, why, t, *check) in failed.items():
                 result = CheckResult(check[0] if check else "update_drift", peer, t)

@@ -136,8 +136,17 @@ class StageRole(TrainingRole):
                 specs[index] = (param_spec(mod), optimizer_spec(mod), cfg_hash_of(s, index))
             return specs[index]
 
+        modules: dict[int, object] = {}
+
+        def stage_module(index: int):
+            """Stage `index`'s module for the audits' recomputation (built once; its weights are
+            loaded per audit, and one audit of a stage runs at a time)."""
+            if index not in modules:
+                modules[index] = build_module(s, index)
+            return modules[index]
+
         o = s.stage.optim
-        audit = StageAuditSpec(stage_spec, tuple(o.betas), o.eps, o.weight_decay, module=lambda i: build_module(s, i))
+        audit = StageAuditSpec(stage_spec, tuple(o.betas), o.eps, o.weight_decay, module=stage_module)
         probe = ProbeSpec(s.model.d_model, s.model.vocab_size, s.data.seq_len)
         return [Service(pipeline_pb2_grpc.add_ScheduleServicer_to_server,
                         ScheduleCoordinator(ctx, s.schedule, activation_bytes(s), audit=audit, probe=probe),

@@ -34,6 +34,9 @@ STAGES = 3
 LOSS_BOUND = 0.10             # the issue's bound: within 10% of the honest run
 DEADLINE_S = 400
 SOLO_AUDIT_S = 2.0
+"""Mean seconds between random audits of each unreplicated stage (a few iterations: `compute_delay_s`
+makes an iteration take a few tenths of a second, as on a slow device, so audits, whose downloads
+take seconds on a loaded box, see the run while it lasts)."""
 
 
 def events(node: NodeProc, event: str) -> list[dict]:
@@ -48,7 +51,7 @@ def settings(solo_audit_s: float = SOLO_AUDIT_S) -> list[str]:
             f"schedule.solo_audit_every_s={solo_audit_s}",
             "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
             "data.seq_len=32", "data.batch_size=4", "data.max_train_bytes=200000", "data.max_val_bytes=20000",
-            "stage.torch_threads=1", "stage.eval_every=0", "stage.optim.lr=0.003", "stage.optim.warmup=0",
+            "stage.torch_threads=1", "stage.compute_delay_s=0.03", "stage.evidence_iterations=16", "stage.eval_every=0", "stage.optim.lr=0.003", "stage.optim.warmup=0",
             f"stage.iterations={ITERATIONS}", "stage.iteration_timeout_s=40", "card.refresh_s=1", "drain.budget_s=10"]
 
 
@@ -66,9 +69,12 @@ def run_pipeline(workdir, attacker: int | None = None, attack: tuple[str, ...] =
         spare = swarm.start("stage", name="spare", extra_set=["stage.checkfree.recover=true", "stage.checkfree.allow_edge_copy=true",
                                                               "stage.checkfree.standby=true"])
         deadline = time.monotonic() + DEADLINE_S
-        for n in [*(n for s, n in enumerate(nodes) if s != attacker), spare]:
+        for n in [n for s, n in enumerate(nodes) if s != attacker]:
             rc = swarm.wait_exit(n, timeout=max(1.0, deadline - time.monotonic()))
             assert rc == 0, f"{n.name} exited with {rc}: {n.log_text()[-3000:]}\n{boot.log_text()[-3000:]}"
+        if events(spare, "stage_recovered"):        # it rebuilt a stage: it finishes with the run
+            rc = swarm.wait_exit(spare, timeout=max(1.0, deadline - time.monotonic()))
+            assert rc == 0, f"spare exited with {rc}: {spare.log_text()[-3000:]}"
         metrics = boot.metrics() or {}
     evals = events(nodes[0], "pipeline_eval")
     final = max(evals, key=lambda e: e["iteration"]) if evals else {"iteration": -1, "eval_loss": math.nan}
