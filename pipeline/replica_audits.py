@@ -23,10 +23,12 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from node import ready_details
@@ -144,12 +146,13 @@ class ReplicaAudits:
         self._now = False                                # audit every unreplicated stage at the next poll
         self._warm = False                               # the audit modules were built ahead
         self._solo_seen: dict[int, tuple[str, int]] = {}  # stage -> (node, newest commit) at its last audit
+        self._solo_first: set[str] = set()               # unreplicated nodes audited at least once
         ready_details.provide("stage_audits", lambda: self._detail)
 
     def note(self, views: list[CardView], members: list[tuple], scheduled: list[tuple]) -> None:
         """Remember every live node's published commit; audit a stage whose replicas disagree, and
         unreplicated stages at random."""
-        if not self._warm and scheduled:
+        if not self._warm:                  # at the first poll, long before the first schedule
             self._warm = True
             asyncio.get_running_loop().run_in_executor(None, self._warm_up)
         live = {m[0] for m in members}
@@ -172,14 +175,18 @@ class ReplicaAudits:
         self._audit_unreplicated(scheduled)
 
     def _warm_up(self) -> None:
-        """Worker thread, once a schedule runs: build what an audit of each transformer stage
+        """Worker thread, from the first poll on: build what an audit of each transformer stage
         needs (state specs, the recomputation module), so the first audits do not pay for it
-        while the pipeline runs on."""
+        while the pipeline runs on (a first audit that built them took seconds on a loaded box:
+        a dozen iterations of a tampering node)."""
         try:
             for stage in range(1, self.stages):
                 self.spec.stage_spec(stage)
-                if self.spec.module is not None:
-                    self.spec.module(stage)
+                if self.spec.module is not None:      # and one forward + backward: torch's first is slow
+                    mod = self.spec.module(stage)
+                    d = next(p for p in mod.parameters() if p.dim() == 2).shape[-1]
+                    mod(torch.zeros(1, 2, d, requires_grad=True)).sum().backward()
+                    mod.zero_grad(set_to_none=True)
         except Exception as exc:  # noqa: BLE001 - an audit builds them again and says what fails
             log.info("audit warm-up failed: %r", exc)
 
@@ -195,9 +202,10 @@ class ReplicaAudits:
         self._now = True
 
     def _audit_unreplicated(self, scheduled: list[tuple]) -> None:
-        """A transformer stage with one node has no replica to disagree with: audit it at random
-        times, `solo_audit_every_s` apart on average, and at once after `audit_now` (stage 0, data
-        and embedding, is not rebuilt live, so it is not audited here)."""
+        """A transformer stage with one node has no replica to disagree with: audit it as soon as
+        it has a step to replay (a node that tampers from the start is caught early), then at
+        random times, `solo_audit_every_s` apart on average, and at once after `audit_now` (stage
+        0, data and embedding, is not rebuilt live, so it is not audited here)."""
         every = self.solo_every
         now_asked, self._now = self._now, False
         if every <= 0 and not now_asked:
@@ -205,13 +213,15 @@ class ReplicaAudits:
         every = every if every > 0 else math.inf
         now = asyncio.get_running_loop().time()
         counts = {s: sum(1 for m in scheduled if m[1] == s) for s in range(self.stages)}
+        peers_of = lambda s: [m for m in scheduled if m[1] == s]  # noqa: E731
         for stage, n in counts.items():
             if n != 1 or stage == 0:
                 self._solo_due.pop(stage, None)
                 continue
             due = self._solo_due.setdefault(stage, now + self._next_gap(every))
-            if now_asked:
-                due = self._solo_due[stage] = now
+            newest = max(self.commits.get(peers_of(stage)[0][0], {}) or [-1])
+            if now_asked or (newest >= 2 and peers_of(stage)[0][0] not in self._solo_first):
+                due = self._solo_due[stage] = now     # a new node is audited as soon as it has a step to replay
             task = self._tasks.get(stage)
             if now < due or (task is not None and not task.done()):
                 continue
@@ -221,6 +231,7 @@ class ReplicaAudits:
             if self._solo_seen.get(stage) == (peers[0][0], it):
                 continue                   # it has not stepped since its last audit (a suspended pipeline)
             self._solo_seen[stage] = (peers[0][0], it)
+            self._solo_first.add(peers[0][0])
             others = [m for m in scheduled if m[1] != stage]
             self._start(stage, self.audit_stage(stage, it, peers, solo=True, others=others))
 
@@ -310,6 +321,7 @@ class ReplicaAudits:
         t = max(published, default=0)
         if t < 2:
             raise ValueError(f"nothing to replay yet (newest published commit: iteration {t})")
+        t0 = time.monotonic()
         (meta, tensors), (meta0, tensors0), evidence = await asyncio.gather(
             fetch(t), self._fetch_before(fetch, fetch_plain, t - 1), self._evidence(m[0], t - 1, others))
         for want, got in ((t, meta), (t - 1, meta0)):
@@ -332,7 +344,9 @@ class ReplicaAudits:
         if missing:
             return True, f"step {t} replays ({res:.2g} lr); outputs not checked: {missing}", t, "stage_replay"
         stepped = step_gradient(opt0, opt, list(before), self.spec.betas[0])
+        t1 = time.monotonic()
         ok, why = await asyncio.to_thread(replay_outputs, self.spec.module(stage), before, samples, stepped)
+        why = f"{why}; downloads {t1 - t0:.2f} s, recomputation {time.monotonic() - t1:.2f} s"
         if ok is False:
             return False, f"iteration {t - 1}: {why}", t - 1, "stage_replay"
         return True, f"step {t} replays ({res:.2g} lr); iteration {t - 1}: {why}", t, "stage_replay"
