@@ -21,7 +21,7 @@ from security.stage_integrity import CHECKS, CheckResult
 SECURITY_FLAGS = Counter(
     "swarmnode_security_flags_total",
     "Stage-integrity flags raised, by check (replica_sketch, replica_commit, update_bound, update_drift, "
-    "spot_check, commit_mismatch). A steady trickle of one check on honest nodes means its tolerance is too "
+    "spot_check, commit_mismatch, nonfinite_output, stage_replay). A steady trickle of one check on honest nodes means its tolerance is too "
     "tight for this hardware mix (see UpdateMonitor / compare_sketches); a burst names a suspect to quarantine.",
     ["check"], registry=REGISTRY)
 for _check in CHECKS:       # every check shows 0 from the start (dashboards and alerts see "no flags", not "no data")

@@ -90,6 +90,12 @@ class ScheduleConfig(BaseModel):
     already uses every replica instead of re-planning as each one arrives. Only the first plan
     waits for it: after a lost stage the coordinator re-plans over whoever is live."""
 
+    loss_trend_window: int = Field(5, ge=0)
+    """The coordinator watches the data nodes' training loss (pipeline/loss_trend.py): when the
+    mean over this many iterations rises 2% above its lowest, every unreplicated stage is audited
+    at once (a stage that tampers with its outputs or gradients shows there first). Raise it when
+    a noisy loss brings audits forward often; 0 = off (only the random audits run)."""
+
     solo_audit_every_s: float = Field(30.0, ge=0)
     """Mean seconds between integrity audits of a transformer stage with a single node in the plan
     (no replica to compare weight commits with): the coordinator replays one of its steps, picked at
@@ -281,6 +287,28 @@ class StageConfig(RunSettings):
     this node adds a fixed-direction edit of `attack_weight_edit * lr` per element to its own
     weights, outside the gradient path (a blunt stand-in for pipeline/backdoor.py's task vector).
     Refused unless every address this node binds/announces is loopback (127.0.0.1). 0 = honest."""
+
+    evidence_iterations: int = Field(8, ge=0)
+    """Iterations of sent and received activations and gradients this node keeps for the
+    coordinator's audits of its unreplicated neighbours (pipeline/stage_evidence.py: the inputs
+    an audit recomputes a stage's forward and gradients from). Costs that many iterations of
+    microbatch tensors in host memory; 0 = keep none (the neighbours' audits then check only
+    that their steps replay, not their outputs and gradients)."""
+
+    attack_nonfinite: bool = False
+    """ATTACK HARNESS, tests only (docs/pipeline.md, 'What is caught live'): every activation this
+    node sends on (its forward output) is NaN. Loopback only, like `attack_weight_edit`."""
+
+    attack_activation_noise: float = Field(0.0, ge=0)
+    """ATTACK HARNESS, tests only: Gaussian noise of this many times the tensor's RMS is added to
+    every activation this node sends on (its forward output; its own weights and state stay honest).
+    Loopback only. 0 = honest."""
+
+    attack_grad_flip: Literal["off", "params", "upstream", "both"] = "off"
+    """ATTACK HARNESS, tests only: "params" negates this node's own parameter gradients before its
+    optimizer step (it trains uphill; its optimizer state stays consistent with what it stepped on),
+    "upstream" negates the gradient it sends back to its predecessor, "both" does both. Loopback
+    only. "off" = honest."""
 
     iteration_timeout_s: float = Field(300.0, gt=0)
     """An iteration that makes no progress for this long is logged as stuck (with what it still

@@ -29,7 +29,8 @@ nodes abort the interrupted iteration on that epoch (pipeline/stage_exec.py) and
 Admission and stalls (pipeline/stage_admission.py): a stage node is a member only once it answered
 a stage probe (a forward of a probe microbatch over its tensor stream); when no planned node steps
 for `schedule.stall_s`, every planned node is probed again and those that fail leave the plan for
-good. The replica-integrity audits are pipeline/replica_audits.py; this module quarantines.
+good. The replica-integrity audits are pipeline/replica_audits.py, the attribution of non-finite
+outputs pipeline/nonfinite_watch.py; this module quarantines.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node.card import CardView, card_int, read_cards
+from node.integrity_metrics import count_flags
 from node.logs import emit
 from node.netem import LinkSpec, NetemConfig
 from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
 from pipeline.schedule import Schedule, ScheduleViolation, checkfree_plus_paths, validate_schedule
 from pipeline.search import plan
+from pipeline.loss_trend import LossTrend
+from pipeline.nonfinite_watch import NonfiniteWatch
+from pipeline.stage_evidence import parse_nonfinite
 from pipeline.stage_admission import StageAdmission
 from pipeline.stage_probe import ProbeSpec
 from pipeline.simulator import iteration_period
@@ -58,6 +63,7 @@ from pipeline.replica_audits import (ReplicaAudits, StageAuditSpec, commit_disag
                                      parse_commits)
 from pipeline import stage_metrics as M
 from protocol import pipeline_pb2, pipeline_pb2_grpc
+from security.stage_integrity import CheckResult
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
 
@@ -221,6 +227,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.suspended_since: float | None = None
         self.reported_down: set[int] = set()
         self._replan_now = asyncio.Event()      # a quarantine: re-plan at the next poll, skipping settle_s
+        self.nonfinite = NonfiniteWatch()
+        self.trend = LossTrend(cfg.loss_trend_window)
 
     def _ensure_started(self) -> None:
         """The planner loop, supervised (restarted with backoff should it ever fail), from the first call on."""
@@ -246,6 +254,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                     members = self.admission.admitted(members, loop.time())
                 if self.audits is not None:
                     self.audits.note(views, members, self.scheduled)
+                self._watch_nonfinite(views, members)
+                self._watch_loss(views, members)
             except Exception as exc:  # noqa: BLE001 - the next poll retries
                 log.debug("reading cards failed: %r", exc)
                 await asyncio.sleep(self.poll_s)
@@ -331,6 +341,40 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         emit(log, "replica_quarantined", "quarantined stage {stage} replica {short}: {why}; re-planning without it",
              level=logging.WARNING, stage=stage, short=peer[:16], peer=peer, why=why)
         self._replan_now.set()
+
+    def _watch_nonfinite(self, views: list[CardView], members: list[tuple]) -> None:
+        """The receivers' tallies of non-finite tensors (pipeline/nonfinite_watch.py): the node where
+        they start, iteration after iteration, is suspected and quarantined."""
+        live = {m[0]: m[1] for m in members}
+        reports = [(v.peer_id, card_int(v, "iteration"), parse_nonfinite(v.card.details.get("nonfinite")))
+                   for v in views if v.peer_id in live]
+        scheduled = {m[0] for m in self.scheduled} & set(live)
+        for peer, its in self.nonfinite.note(reports, scheduled):
+            stage = live[peer]
+            result = CheckResult("nonfinite_output", peer, its[-1])
+            result.flag(f"the first node whose outputs are non-finite in iterations {its}")
+            count_flags([result])
+            emit(log, "stage_suspected", "stage {stage} node {short} sends non-finite tensors from finite inputs "
+                 "(iterations {iterations}): quarantining it", level=logging.WARNING, stage=stage, peer=peer,
+                 short=peer[:16], check="nonfinite_output", iterations=its, iteration=its[-1])
+            self._quarantine(peer, stage, f"nonfinite_output@{its[-1]}: non-finite outputs from finite inputs in "
+                                          f"iterations {its}")
+
+    def _watch_loss(self, views: list[CardView], members: list[tuple]) -> None:
+        """The data nodes' training loss (pipeline/loss_trend.py): when it rises, every unreplicated
+        stage is audited now."""
+        data = {m[0] for m in members if m[1] == 0}
+        for v in views:
+            loss, it = v.card.details.get("loss"), card_int(v, "iteration")
+            if v.peer_id not in data or not isinstance(loss, (int, float)) or it is None:
+                continue
+            mean = self.trend.note(it - 1, float(loss))
+            if mean is not None:
+                emit(log, "loss_rising", "the pipeline's training loss rises (mean of the last {window} iterations "
+                     "{mean:.4f}, iteration {iteration}): auditing every unreplicated stage now", level=logging.WARNING,
+                     window=self.trend.window, mean=round(mean, 4), iteration=it - 1)
+                if self.audits is not None:
+                    self.audits.audit_now()
 
     def _check_liveness(self, members: list[tuple], now: float) -> None:
         """A stage of the published schedule with no live node suspends it (logged once per stage)."""

@@ -23,9 +23,12 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from torch import Tensor
 
 from node import ready_details
 from node.card import CardView
@@ -33,7 +36,9 @@ from node.integrity_metrics import count_flags
 from node.logs import emit
 from node.state_sync import StateFetchError, fetch_state, split_optimizer
 from pipeline import stage_metrics as M
-from pipeline.stage_audit import RESIDUAL_LR, commit_of, replay_residual
+from pipeline.stage_audit import RESIDUAL_LR, commit_of, replay_outputs, replay_residual, step_gradient
+from pipeline.stage_evidence import Entry, fetch_evidence
+from protocol.channels import ChannelPool
 from security.stage_integrity import CheckResult, compare_commits
 
 log = logging.getLogger("swarmnode.pipeline.coordinator")
@@ -56,6 +61,10 @@ class StageAuditSpec:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    module: Callable[[int], Any] | None = None
+    """`module(index)` -> a fresh module of stage `index` (fp32, CPU): what an unreplicated stage's
+    outputs and gradients are recomputed with (pipeline/stage_audit.py `replay_outputs`); None =
+    only its step is replayed."""
 
 
 def parse_commit(value: Any) -> tuple[int, str] | None:
@@ -93,6 +102,25 @@ def commit_disagreements(scheduled: list[tuple], commits: dict[str, dict[int, st
     return out
 
 
+def match_evidence(entries: list[Entry]) -> tuple[list[tuple], str]:
+    """The audited node's microbatches of the newest schedule epoch in its neighbours' evidence
+    (each entry from the answering node's side): (input it received, output it sent, gradient of that output it
+    received, gradient it sent upstream or None) per path, and what is missing ("" if nothing)."""
+    sent = [e.ep for e in entries if e.way == "sent" and e.kind == "fwd"]
+    ep = max(sent, default=None)          # an iteration aborted by a re-plan ran again on a newer epoch
+    by: dict[tuple[str, str], dict[int, Tensor]] = {}
+    for e in entries:
+        if e.ep == ep:
+            by.setdefault((e.way, e.kind), {}).setdefault(e.p, e.tensor)
+    xs, ys, gys, gxs = (by.get(k, {}) for k in (("sent", "fwd"), ("recv", "fwd"), ("sent", "bwd"), ("recv", "bwd")))
+    if not xs:
+        return [], "no evidence of its microbatches"
+    lacking = sorted(p for p in xs if p not in ys or p not in gys)
+    if lacking:
+        return [], f"its neighbours kept no output or gradient of paths {lacking}"
+    return [(xs[p], ys[p], gys[p], gxs.get(p)) for p in sorted(xs)], ""
+
+
 def refused(exc: Exception) -> bool:
     """Did the audited node's call guard refuse the download (the audit cannot run at all)?"""
     return isinstance(exc, StateFetchError) and any(code in str(exc) for code in REFUSED)
@@ -113,11 +141,19 @@ class ReplicaAudits:
         self._inconclusive: dict[str, int] = {}          # peer -> consecutive inconclusive audits
         self.blocked: dict[str, dict] = {}               # peer -> the alert (stage, why, since)
         self._detail: dict = {"blocked": {}}             # /readyz, replaced whole (read on the ops thread)
+        self._pool: ChannelPool | None = None            # the evidence downloads (unreplicated stages)
+        self._now = False                                # audit every unreplicated stage at the next poll
+        self._warm = False                               # the audit modules were built ahead
+        self._solo_seen: dict[int, tuple[str, int]] = {}  # stage -> (node, newest commit) at its last audit
+        self._solo_first: set[str] = set()               # unreplicated nodes audited at least once
         ready_details.provide("stage_audits", lambda: self._detail)
 
     def note(self, views: list[CardView], members: list[tuple], scheduled: list[tuple]) -> None:
         """Remember every live node's published commit; audit a stage whose replicas disagree, and
         unreplicated stages at random."""
+        if not self._warm:                  # at the first poll, long before the first schedule
+            self._warm = True
+            asyncio.get_running_loop().run_in_executor(None, self._warm_up)
         live = {m[0] for m in members}
         for v in views:
             if v.peer_id not in live:
@@ -137,32 +173,66 @@ class ReplicaAudits:
                 self._start(stage, self.audit_stage(stage, it, peers))
         self._audit_unreplicated(scheduled)
 
+    def _warm_up(self) -> None:
+        """Worker thread, from the first poll on: build what an audit of each transformer stage
+        needs (state specs, the recomputation module), so the first audits do not pay for it
+        while the pipeline runs on (a first audit that built them took seconds on a loaded box:
+        a dozen iterations of a tampering node)."""
+        try:
+            for stage in range(1, self.stages):
+                self.spec.stage_spec(stage)
+                if self.spec.module is not None:
+                    self.spec.module(stage)
+        except Exception as exc:  # noqa: BLE001 - an audit builds them again and says what fails
+            log.info("audit warm-up failed: %r", exc)
+
     def _start(self, stage: int, coro) -> None:
         self._tasks[stage] = asyncio.get_running_loop().create_task(coro, name=f"audit_stage{stage}")
 
+    def _next_gap(self, every: float) -> float:
+        return self._solo_rng.expovariate(1.0 / every) if math.isfinite(every) else math.inf
+
+    def audit_now(self) -> None:
+        """Audit every unreplicated stage at the next poll (the pipeline's loss rises), even with
+        random audits off (`solo_audit_every_s` = 0)."""
+        self._now = True
+
     def _audit_unreplicated(self, scheduled: list[tuple]) -> None:
-        """A transformer stage with one node has no replica to disagree with: audit it at random
-        times, `solo_audit_every_s` apart on average (stage 0, data and embedding, is not rebuilt
-        live, so it is not audited here)."""
+        """A transformer stage with one node has no replica to disagree with: audit it as soon as
+        it has a step to replay (a node that tampers from the start is caught early), then at
+        random times, `solo_audit_every_s` apart on average, and at once after `audit_now` (stage
+        0, data and embedding, is not rebuilt live, so it is not audited here)."""
         every = self.solo_every
-        if every <= 0:
+        now_asked, self._now = self._now, False
+        if every <= 0 and not now_asked:
             return
+        every = every if every > 0 else math.inf
         now = asyncio.get_running_loop().time()
         counts = {s: sum(1 for m in scheduled if m[1] == s) for s in range(self.stages)}
+        peers_of = lambda s: [m for m in scheduled if m[1] == s]  # noqa: E731
         for stage, n in counts.items():
             if n != 1 or stage == 0:
                 self._solo_due.pop(stage, None)
                 continue
-            due = self._solo_due.setdefault(stage, now + self._solo_rng.expovariate(1.0 / every))
+            due = self._solo_due.setdefault(stage, now + self._next_gap(every))
+            newest = max(self.commits.get(peers_of(stage)[0][0], {}) or [-1])
+            if now_asked or (newest >= 2 and peers_of(stage)[0][0] not in self._solo_first):
+                due = self._solo_due[stage] = now     # a new node is audited as soon as it has a step to replay
             task = self._tasks.get(stage)
             if now < due or (task is not None and not task.done()):
                 continue
-            self._solo_due[stage] = now + self._solo_rng.expovariate(1.0 / every)
+            self._solo_due[stage] = now + self._next_gap(every)
             peers = [m for m in scheduled if m[1] == stage]
             it = max(self.commits.get(peers[0][0], {}) or [-1])
-            self._start(stage, self.audit_stage(stage, it, peers, solo=True))
+            if self._solo_seen.get(stage) == (peers[0][0], it):
+                continue                   # it has not stepped since its last audit (a suspended pipeline)
+            self._solo_seen[stage] = (peers[0][0], it)
+            self._solo_first.add(peers[0][0])
+            others = [m for m in scheduled if m[1] != stage]
+            self._start(stage, self.audit_stage(stage, it, peers, solo=True, others=others))
 
-    async def audit_stage(self, stage: int, it: int, peers: list[tuple], solo: bool = False) -> None:
+    async def audit_stage(self, stage: int, it: int, peers: list[tuple], solo: bool = False,
+                          others: list[tuple] = ()) -> None:
         """Replay each replica's last step from its own served states (pipeline/stage_audit.py);
         quarantine those that do not replay, as long as one replica of the stage does (`solo`: the
         stage's only node, audited at random; a failure quarantines it and the stage is rebuilt by
@@ -177,7 +247,7 @@ class ReplicaAudits:
         verdicts: dict[str, tuple | None] = {}
         for m in peers:
             try:
-                verdicts[m[0]] = await self.audit_one(stage, m)
+                verdicts[m[0]] = await (self.audit_solo(stage, m, others) if solo else self.audit_one(stage, m))
             except (StateFetchError, KeyError, ValueError) as exc:
                 log.info("audit of %s (stage %d) inconclusive: %s", m[0][:16], stage, exc)
                 verdicts[m[0]] = None
@@ -189,10 +259,10 @@ class ReplicaAudits:
         emit(log, "replica_audit", "stage {stage} audit: {n_passed} replay, {n_failed} do not, {n_inconclusive} "
              "inconclusive", stage=stage, iteration=it, n_passed=len(passed), n_failed=len(failed),
              n_inconclusive=len(verdicts) - len(passed) - len(failed), passed=passed,
-             failed={p: v[1] for p, v in failed.items()})
+             failed={p: v[1] for p, v in failed.items()}, notes={p: verdicts[p][1] for p in passed})
         if solo:
-            for peer, (_, why, t) in failed.items():
-                result = CheckResult("update_drift", peer, t)
+            for peer, (_, why, t, *check) in failed.items():
+                result = CheckResult(check[0] if check else "update_drift", peer, t)
                 result.flag(f"its step {t} does not replay from its own served states: {why}")
                 count_flags([result])
                 self.quarantine(peer, stage, f"solo_audit@{t}: {why}")
@@ -229,6 +299,82 @@ class ReplicaAudits:
         if not res <= RESIDUAL_LR:
             return False, f"step {t} does not replay: {tensor} off by {res:.3g} lr (limit {RESIDUAL_LR})", t
         return True, f"step {t} replays ({res:.2g} lr)", t
+
+    async def audit_solo(self, stage: int, m: tuple, others: list[tuple]) -> tuple[bool, str, int, str]:
+        """(passes, why, iteration, check) for the only node of a stage: its step T-1 -> T replays
+        from its served states (`update_drift`), and its microbatches of iteration T-1 recompute
+        from what its neighbours kept (`stage_replay`: outputs, the gradient sent upstream, the
+        gradient it stepped on). T is its newest published commit; both states and the evidence are
+        fetched at once, so a node that runs on while a slow download lasts still serves them
+        (it keeps KEEP_SNAPSHOTS states, its neighbours `stage.evidence_iterations` iterations)."""
+        weights_spec, opt_spec, cfg_hash = self.spec.stage_spec(stage)
+        fetch = lambda it: fetch_state(m[2], self.ctx.config.run_id, self.ctx.peer_id, cfg_hash,  # noqa: E731
+                                       weights_spec, optimizer=opt_spec, stage=stage, iteration=it, timeout=20,
+                                       peer_id=m[0])
+        fetch_plain = lambda it: fetch_state(m[2], self.ctx.config.run_id, self.ctx.peer_id, cfg_hash,  # noqa: E731
+                                             weights_spec, stage=stage, iteration=it, timeout=20, peer_id=m[0])
+        published = self.commits.get(m[0], {})
+        t = max(published, default=0)
+        if t < 2:
+            raise ValueError(f"nothing to replay yet (newest published commit: iteration {t})")
+        t0 = time.monotonic()
+        (meta, tensors), (meta0, tensors0), evidence = await asyncio.gather(
+            fetch(t), self._fetch_before(fetch, fetch_plain, t - 1), self._evidence(m[0], t - 1, others))
+        for want, got in ((t, meta), (t - 1, meta0)):
+            if int(got.get("iteration", "-1")) != want:
+                raise ValueError(f"its state of iteration {want} is no longer kept (it serves {got.get('iteration')})")
+        after, opt = split_optimizer(tensors)
+        before, opt0 = split_optimizer(tensors0)
+        lr = float(meta.get("lr", "nan"))
+        for i, w in ((t, after), (t - 1, before)):
+            if i in published and not commit_of(w).startswith(published[i]):
+                return False, f"served weights of iteration {i} differ from its published commit", t, "update_drift"
+        res, tensor = await asyncio.to_thread(replay_residual, before, after, opt, lr, self.spec.betas,
+                                              self.spec.eps, self.spec.weight_decay)
+        if not res <= RESIDUAL_LR:
+            return False, f"step {t} does not replay: {tensor} off by {res:.3g} lr (limit {RESIDUAL_LR})", t, \
+                "update_drift"
+        if self.spec.module is None:
+            return True, f"step {t} replays ({res:.2g} lr)", t, "update_drift"
+        samples, missing = match_evidence(evidence)
+        if missing:
+            return True, f"step {t} replays ({res:.2g} lr); outputs not checked: {missing}", t, "stage_replay"
+        stepped = step_gradient(opt0, opt, list(before), self.spec.betas[0])
+        t1 = time.monotonic()
+        ok, why = await asyncio.to_thread(replay_outputs, self.spec.module(stage), before, samples, stepped)
+        why = f"{why}; downloads {t1 - t0:.2f} s, recomputation {time.monotonic() - t1:.2f} s"
+        if ok is False:
+            return False, f"iteration {t - 1}: {why}", t - 1, "stage_replay"
+        return True, f"step {t} replays ({res:.2g} lr); iteration {t - 1}: {why}", t, "stage_replay"
+
+    @staticmethod
+    async def _fetch_before(fetch, fetch_plain, it: int) -> tuple[dict, dict]:
+        """The state before the audited step, with its AdamW moments; without them when it had
+        not stepped yet (its moments are then zero: pipeline/stage_audit.py `step_gradient`)."""
+        try:
+            return await fetch(it)
+        except StateFetchError as exc:
+            if "lacks ['optimizer/" not in str(exc):
+                raise
+            return await fetch_plain(it)
+
+    async def _evidence(self, peer: str, it: int, others: list[tuple]) -> list[Entry]:
+        """What the other scheduled nodes kept of iteration `it` about `peer` (a node that does
+        not answer adds nothing: the audit then finds its evidence incomplete)."""
+        if self.spec.module is None:
+            return []
+        if self._pool is None:
+            self._pool = ChannelPool()
+        got = await asyncio.gather(*(fetch_evidence(self._pool, run_id=self.ctx.config.run_id, me=self.ctx.peer_id,
+                                                    peer_id=o[0], addr=o[2], about=peer, it=it) for o in others),
+                                   return_exceptions=True)
+        out: list[Entry] = []
+        for o, g in zip(others, got):
+            if isinstance(g, BaseException):
+                log.info("evidence from %s about %s unavailable: %r", o[0][:16], peer[:16], g)
+                continue
+            out.extend(g)
+        return out
 
     # ------------------------------------------------------------------ the alert
     def _ran(self, peer: str, replays: bool) -> None:
@@ -268,4 +414,4 @@ class ReplicaAudits:
 
 
 __all__ = ["COMMITS_KEPT", "INCONCLUSIVE_ALERT_AFTER", "ReplicaAudits", "StageAuditSpec", "commit_disagreements",
-           "parse_commit", "parse_commits", "refused"]
+           "match_evidence", "parse_commit", "parse_commits", "refused"]

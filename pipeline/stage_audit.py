@@ -16,6 +16,13 @@ residual is measured per element in units of the step's lr: a replica above `RES
 Limits: a replica that also forges its optimizer moments consistently with its edit is not caught
 here (spot checks and the update monitor of security/stage_integrity.py are the other layers), and
 the pinning to published commits holds only for iterations whose card version the coordinator saw.
+
+An unreplicated stage's step replays by construction when it tampers with what it computes rather
+than with its weights (noise on its activations, a flipped gradient: its AdamW state is consistent
+with the gradient it stepped on). `replay_outputs` checks the computation itself, from tensors its
+honest neighbours kept (pipeline/stage_evidence.py): its outputs are recomputed from its inputs
+with its served weights, the gradient it sent upstream and the gradient it stepped on (from its
+served moments, `step_gradient`) from the gradients of its outputs it received.
 """
 
 from __future__ import annotations
@@ -56,4 +63,90 @@ def replay_residual(before: Mapping[str, Tensor], after: Mapping[str, Tensor], o
     return worst, where
 
 
-__all__ = ["RESIDUAL_LR", "commit_of", "replay_residual"]
+
+
+# ------------------------------------------------------------------ outputs and gradients (an unreplicated stage)
+
+FORWARD_RTOL = 0.02
+"""A stage's output may differ from its recomputation from its inputs by this relative RMS (honest,
+fp32 on the same kind of device: ~1e-6; a bf16 device: ~1e-2)."""
+GRAD_COS_MIN = 0.9
+"""Cosine between the gradient a stage stepped on (from its served AdamW moments) and the one
+recomputed from its inputs and its outputs' gradients, below which it fails (honest: ~1)."""
+UPSTREAM_COS_MIN = 0.9
+"""The same for the gradient it sent back to its predecessor."""
+
+
+def step_gradient(opt_before: Mapping[str, Tensor], opt_after: Mapping[str, Tensor], names: list[str],
+                  b1: float) -> dict[str, Tensor] | None:
+    """The (clipped) gradient of the AdamW step between two served states: m_T = b1 m_{T-1} +
+    (1 - b1) g, so g = (m_T - b1 m_{T-1}) / (1 - b1). None when no step was taken in between
+    (a skipped, non-finite step leaves the moments as they were) or a moment is missing."""
+    out = {}
+    for n in names:
+        m1 = opt_after.get(f"{n}.exp_avg")
+        if m1 is None:
+            return None
+        s1 = float(opt_after.get(f"{n}.step", torch.tensor(0.0)))
+        s0 = float(opt_before.get(f"{n}.step", torch.tensor(0.0)))
+        if s1 != s0 + 1:
+            return None
+        m0 = opt_before.get(f"{n}.exp_avg")
+        m0 = torch.zeros_like(m1) if m0 is None else m0
+        out[n] = (m1.double() - b1 * m0.double()) / (1 - b1)
+    return out
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    d = float((a.double() - b.double()).norm()) / max(float(b.double().norm()), 1e-12)
+    return d if math.isfinite(d) else math.inf
+
+
+def _cos(a: Tensor, b: Tensor) -> float:
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    c = float(a @ b) / max(float(a.norm() * b.norm()), 1e-30)
+    return c if math.isfinite(c) else -math.inf
+
+
+def replay_outputs(module: torch.nn.Module, weights: Mapping[str, Tensor],
+                   samples: list[tuple[Tensor, Tensor, Tensor, Tensor | None]],
+                   stepped: Mapping[str, Tensor] | None) -> tuple[bool | None, str]:
+    """Recompute an unreplicated stage's microbatches of one iteration from its neighbours'
+    evidence: `samples` are (input x it received, output y it sent, gradient gy of y it received,
+    gradient gx of x it sent upstream or None); `weights` its served weights of that iteration;
+    `stepped` the gradient its next served state says it stepped on (None: not checked).
+    Returns (True: consistent | False: caught | None: inconclusive, why)."""
+    if not samples:
+        return None, "no evidence of its microbatches"
+    module.load_state_dict({n: w.float() for n, w in weights.items()}, strict=False)
+    module.float().train()
+    module.zero_grad(set_to_none=True)
+    worst_fwd, worst_up = 0.0, 1.0
+    for x, y, gy, gx in samples:
+        xi = x.detach().float().clone().requires_grad_()
+        out = module(xi)
+        worst_fwd = max(worst_fwd, _rel(y.float(), out.detach()))
+        out.backward(gy.float())
+        if gx is not None:
+            worst_up = min(worst_up, _cos(gx, xi.grad))
+    if worst_fwd > FORWARD_RTOL:
+        return False, f"its outputs differ from their recomputation from its inputs by {worst_fwd:.3g} (relative, " \
+                      f"limit {FORWARD_RTOL})"
+    if worst_up < UPSTREAM_COS_MIN:
+        return False, f"the gradient it sent upstream has cosine {worst_up:.3g} with its recomputation (limit " \
+                      f"{UPSTREAM_COS_MIN})"
+    if stepped is None:
+        return True, f"{len(samples)} microbatches recompute (outputs {worst_fwd:.2g})"
+    names = list(stepped)
+    params = dict(module.named_parameters())
+    mine = torch.cat([(params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])).reshape(-1)
+                      for n in names])
+    cos = _cos(torch.cat([stepped[n].reshape(-1) for n in names]), mine)
+    if cos < GRAD_COS_MIN:
+        return False, f"the gradient it stepped on has cosine {cos:.3g} with the one recomputed from its " \
+                      f"{len(samples)} microbatches (limit {GRAD_COS_MIN})"
+    return True, f"{len(samples)} microbatches recompute (outputs {worst_fwd:.2g}, gradient cosine {cos:.4f})"
+
+
+__all__ = ["FORWARD_RTOL", "GRAD_COS_MIN", "RESIDUAL_LR", "UPSTREAM_COS_MIN", "commit_of", "replay_outputs",
+           "replay_residual", "step_gradient"]

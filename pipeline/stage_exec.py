@@ -105,8 +105,9 @@ class StageExecutor:
     (optional) sends messages that are ready while this call still has computes to do (the
     first microbatch leaves before the second is embedded, a gradient before a deferred
     forward runs), as the simulator assumes; what a call returns is the rest. `after_step(module,
-    optimizer)` (optional) runs right after each optimizer step: where a test harness plugs in
-    (pipeline/backdoor.py `WeightEdit`); production nodes leave it None."""
+    optimizer)` (optional) runs right after each optimizer step, `before_step(module)` right before
+    it (after clipping): where test harnesses plug in (pipeline/backdoor.py `WeightEdit`,
+    pipeline/live_attacks.py `LiveAttack`); production nodes leave them None."""
 
     def __init__(self, me: str, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer, *,
                  memory: int, clip: float | None = 1.0, data: Callable[[], tuple[Tensor, Tensor]] | None = None,
@@ -115,13 +116,14 @@ class StageExecutor:
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  emit: Callable[[list[Out]], None] | None = None,
-                 after_step: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None):
+                 after_step: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
+                 before_step: Callable[[nn.Module], None] | None = None):
         if memory < 1:
             raise ValueError(f"memory={memory}: a node needs at least one microbatch slot")
         self.me, self.stage, self.module, self.opt, self.sched = me, stage, module, optimizer, scheduler
         self.memory, self.clip, self.data = memory, clip, data
         self.delay = delay or (lambda kind: None)
-        self.emit, self.after_step = emit, after_step
+        self.emit, self.after_step, self.before_step = emit, after_step, before_step
         self.device, self.autocast = torch.device(device), autocast
         self.params = [p for _, p in module.named_parameters()]
         self.schedules: dict[int, Schedule] = {}
@@ -530,6 +532,8 @@ class StageExecutor:
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf")))
             clipped = min(norm, self.clip) if self.clip else norm
             self.last_lr = float(self.opt.param_groups[0]["lr"])
+            if self.before_step is not None:
+                self.before_step(self.module)
             self.opt.step()                          # exactly once per iteration
             if self.after_step is not None:
                 self.after_step(self.module, self.opt)

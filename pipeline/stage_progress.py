@@ -46,6 +46,11 @@ class StageCard(TrainingCard):
     """Stage 1: the iteration of the copy of stage 0 it keeps (pipeline/embed_copy.py)."""
     recovering: int | None = None
     """A replacement's claim: the stage it is rebuilding (None once it holds one or picks again)."""
+    loss: float | None = None
+    """A data node's mean training loss of its last iteration (the coordinator's loss trend)."""
+    nonfinite: str | None = None
+    """Non-finite tensors received in its last iterations, `<iteration>:<fwd|bwd>:<sender>`
+    (pipeline/stage_evidence.py): the coordinator tells from them which node produces them."""
 
 
 class StageProgress:

@@ -37,9 +37,13 @@ This module owns the node's policy:
 - CheckFree: with `stage.checkfree.recover` the node starts with no stage, takes and rebuilds the
   one the coordinator names, and only then publishes its card; a running iteration whose schedule
   is replaced by one without a lost node is aborted and (origins) restarted (`iteration_aborted`);
+- every pipeline message it sends and receives is kept a few iterations as evidence for the
+  coordinator's audits of its neighbours, and received non-finite tensors are tallied on its card
+  (pipeline/stage_evidence.py, `stage.evidence_iterations`);
 - `stage.attack_weight_edit` (a test and benchmark harness, refused off loopback) plugs
-  pipeline/backdoor.py's `WeightEdit` into the executor's `after_step` hook; nothing else here
-  knows of it.
+  pipeline/backdoor.py's `WeightEdit` into the executor's `after_step` hook, and the
+  `stage.attack_*` knobs pipeline/live_attacks.py's `LiveAttack` into `_send` and the
+  `before_step` hook; nothing else here knows of them.
 """
 
 from __future__ import annotations
@@ -64,9 +68,11 @@ from pipeline.config import StageConfig
 from pipeline.coordinator import ScheduleCoordinator, StageAuditSpec
 from pipeline.coordinator_link import CoordinatorLink
 from pipeline.embed_copy import EmbedCopy
+from pipeline.live_attacks import LiveAttack
 from pipeline.recovery import optimizer_spec, param_spec, stage_checkpoint_dir
 from pipeline.replacement import Replacement, Resync, stage_recovery
 from pipeline.schedule import Schedule
+from pipeline.stage_evidence import EVIDENCE_CHANNEL, EvidenceLog, EvidenceServer
 from pipeline.stage_exec import Aborted, BadInput, EvalResult, OriginDone, StageExecutor, StepResult
 from pipeline.stage_parts import (CHECKPOINT_FORMAT, StageParts, StageSettings, activation_bytes, build_module,
                                   build_parts, cfg_hash_of, stage_cfg_hash)
@@ -79,9 +85,11 @@ from protocol.streams import add_tensor_stream_to_server
 
 FIN_FLUSH_S = 10.0
 """Longest wait for the `fin` messages to leave before the evaluating node drains."""
-KEEP_SNAPSHOTS = 4
+KEEP_SNAPSHOTS = 8
 """Snapshots (weights + optimizer state) a stage node keeps and serves by iteration, so the
-coordinator's integrity audit can fetch a step's before and after while the node runs on."""
+coordinator's integrity audit can fetch a step's before and after while the node runs on (with 4,
+a fast unreplicated node had rotated the older one out while a slow download lasted: the audit
+ended inconclusive)."""
 RESYNC_KINDS = ("fwd", "bwd", "eoi", "grad")
 """Messages whose iteration tells a rebuilt stage whether the pipeline ran on without it."""
 
@@ -128,8 +136,17 @@ class StageRole(TrainingRole):
                 specs[index] = (param_spec(mod), optimizer_spec(mod), cfg_hash_of(s, index))
             return specs[index]
 
+        modules: dict[int, object] = {}
+
+        def stage_module(index: int):
+            """Stage `index`'s module for the audits' recomputation (built once; its weights are
+            loaded per audit, and one audit of a stage runs at a time)."""
+            if index not in modules:
+                modules[index] = build_module(s, index)
+            return modules[index]
+
         o = s.stage.optim
-        audit = StageAuditSpec(stage_spec, tuple(o.betas), o.eps, o.weight_decay)
+        audit = StageAuditSpec(stage_spec, tuple(o.betas), o.eps, o.weight_decay, module=stage_module)
         probe = ProbeSpec(s.model.d_model, s.model.vocab_size, s.data.seq_len)
         return [Service(pipeline_pb2_grpc.add_ScheduleServicer_to_server,
                         ScheduleCoordinator(ctx, s.schedule, activation_bytes(s), audit=audit, probe=probe),
@@ -142,6 +159,12 @@ class StageRole(TrainingRole):
             emit(self.log, "stage_attack", "*** TEST ONLY: this stage node is MALICIOUS: it edits its weights "
                  "outside the gradient path (stage.attack_weight_edit={edit:g}) ***", level=logging.WARNING,
                  edit=self.cfg.attack_weight_edit)
+        self.attack = LiveAttack.from_config(self.cfg)
+        if self.attack is not None:
+            require_loopback(ctx.config, "stage.attack_*", "Turn the attack_* knobs off")
+            emit(self.log, "stage_attack", "*** TEST ONLY: this stage node is MALICIOUS: {attack} ***",
+                 level=logging.WARNING, attack=self.attack.describe())
+        self.evidence = EvidenceLog(self.cfg.evidence_iterations)
         if not self.cfg.checkfree.recover:        # a replacement learns its stage first
             self.cfg_hash = stage_cfg_hash(settings)
         self.net = StageTransport(run_id=ctx.config.run_id, me=ctx.peer_id, netem=ctx.netem,
@@ -153,6 +176,9 @@ class StageRole(TrainingRole):
         self.net.service.register(PROBE_CHANNEL, ProbeServer(
             lambda: None if self.ex is None else self.ex.module, self.compute.run, lambda: self.device,
             lambda: autocast(self.device, ctx.config.device.precision)).on_stream)
+        coordinator = ctx.config.security.coordinator_peer_id
+        self.net.service.register(EVIDENCE_CHANNEL, EvidenceServer(
+            lambda: self.evidence, lambda sender: not coordinator or sender == coordinator).on_stream)
         self.link = CoordinatorLink(ctx, self.net.pool, self._on_schedule)
         self.embed = EmbedCopy(ctx, stage_recovery(ctx, settings, self.compute, self.link.status),
                                self.cfg.checkfree.embed_copy_every, self.update_card)
@@ -311,8 +337,9 @@ class StageRole(TrainingRole):
         self.ex = StageExecutor(self.ctx.peer_id, parts.index, parts.module, parts.optimizer, memory=s.schedule.memory,
                                 clip=self.cfg.optim.clip_norm, eval_data=eval_data, delay=delay, device=device,
                                 scheduler=parts.lr_schedule, autocast=lambda: autocast(device, precision),
-                                emit=lambda outs: loop.call_soon_threadsafe(self.net.send, outs),
-                                after_step=WeightEdit(edit) if edit else None)
+                                emit=lambda outs: loop.call_soon_threadsafe(self._send, outs),
+                                after_step=WeightEdit(edit) if edit else None,
+                                before_step=self.attack.before_step if self.attack else None)
         self.ex.iteration = iteration
         forward_s = measure_forward_s(parts.module, s.data.batch_size, s.data.seq_len, s.model, device,
                                       lambda: autocast(device, precision))
@@ -365,11 +392,11 @@ class StageRole(TrainingRole):
                  iteration=self.ex.iteration)
             await self.link.running.wait()
         self.stats.iteration_started(self.ex.iteration)
-        self.net.send(await self.compute.run(self.ex.start_iteration))
+        self._send(await self.compute.run(self.ex.start_iteration))
 
     async def _start_eval(self) -> None:
         self.stats.eval_started()
-        self.net.send(await self.compute.run(self.ex.start_eval))
+        self._send(await self.compute.run(self.ex.start_eval))
 
     # ------------------------------------------------------------------ one round
     async def one_round(self) -> None:
@@ -398,10 +425,12 @@ class StageRole(TrainingRole):
                 self._fail("recovery_failed")
                 return
             await self.take_snapshot()
+        self.evidence.note("recv", msg.kind, msg.meta, msg.sender, msg.tensor)
         before = dict(self.ex.dropped)
         try:
             outs = await self.compute.run(self.ex.handle, msg)
         except BadInput as exc:
+            self.evidence.refused(msg.kind, msg.meta, msg.sender)
             M.ERRORS_SENT.labels(reason=exc.reason).inc()
             NM.count_rejection(exc.reason)
             emit(self.log, "pipeline_bad_input", "refused {kind} from {sender}: {error}", level=logging.WARNING,
@@ -416,9 +445,18 @@ class StageRole(TrainingRole):
         for reason, n in self.ex.dropped.items():
             if n > before.get(reason, 0):
                 M.DROPPED.labels(reason=reason).inc(n - before.get(reason, 0))
-        self.net.send(outs)
+        self._send(outs)
         M.IN_FLIGHT.set(self.ex.in_flight)
         await self._after()
+
+    def _send(self, outs: list) -> None:
+        """Every pipeline message leaves here: kept as evidence (pipeline/stage_evidence.py), after
+        the test-only attack harness (if any) rewrote it."""
+        if self.attack is not None:
+            outs = self.attack.outgoing(outs)
+        for o in outs:
+            self.evidence.note("sent", o.kind, o.meta, o.dest, o.tensor)
+        self.net.send(outs)
 
     async def _missed(self, msg) -> bool:
         """A rebuilt stage's first message of a later iteration: did the pipeline step this node's
@@ -464,7 +502,10 @@ class StageRole(TrainingRole):
         commit = self.stats.commit(self.ex.iteration, snap.meta["weights_sha256"])
         self.report("stage_step", "stage {stage} step {iteration}: {visits}/{total_visits} visits, grad norm "
                     "{grad_norm:.4f}", steps=[train] if train else (),
-                    card=StageCard(iteration=self.ex.iteration, commit=commit), publish=True,
+                    card=StageCard(iteration=self.ex.iteration, commit=commit,
+                                   nonfinite=self.evidence.card_detail() or None,
+                                   loss=e.loss if e.loss is not None and math.isfinite(e.loss) else None),
+                    publish=True,
                     stage=self.cfg.index, iteration=e.iteration, visits=e.visits, total_visits=e.total_visits,
                     grad_norm=None if math.isnan(e.grad_norm) else e.grad_norm,
                     grad_norm_clipped=None if math.isnan(e.grad_norm_clipped) else e.grad_norm_clipped,

@@ -47,7 +47,8 @@ from torch import Tensor
 
 Weights = Mapping[str, Tensor]
 
-CHECKS = ("replica_sketch", "replica_commit", "update_bound", "update_drift", "spot_check", "commit_mismatch")
+CHECKS = ("replica_sketch", "replica_commit", "update_bound", "update_drift", "spot_check", "commit_mismatch",
+          "nonfinite_output", "stage_replay")
 """Values of `Flag.check` (and of the ``check`` label of swarmnode_security_flags_total)."""
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
