@@ -64,8 +64,8 @@ class AdversaryConfig(BaseModel):
     """The HTTT paper's stronger attacker, who owns whole groups: instead of replacing its
     completions by one crafted correct solution, it poisons every completion it sampled itself
     (its own answers, right or wrong, kept), so a group of its own holds poison in every sample and
-    the right ones carry it with a positive advantage. In the horizontal topology receivers still
-    mix these into their groups."""
+    the right ones carry it with a positive advantage. In the horizontal topology receivers mix
+    these into their groups; in the vertical one (``grpo.topology``) its groups stay its own."""
 
 
 class DefenseConfig(BaseModel):
@@ -235,18 +235,19 @@ class GRPOConfig(RunSettings):
     grows."""
 
     topology: Literal["vertical", "horizontal"] = "horizontal"
-    """How peers share a round's groups (docs/grpo.md, 'Topologies'). ``horizontal`` (ours):
-    every peer answers the same B prompts and a prompt's group mixes its G own completions with up
-    to F foreign ones, one advantage normalisation over both. ``vertical`` (the F-TIS paper's):
-    each peer answers B prompts of its own (seeded by run, peer and round) and publishes whole
-    groups; a receiver trains on each foreign group as a group of its own (advantages within the
-    generator's group), up to B x F foreign completions a round. Swarm-wide: a vertical peer's
-    batches are refused by horizontal peers (config hash) and the other way round. Use
-    ``vertical`` for heterogeneous swarms (peers of different sizes or skill: a weak peer's
-    completions then never set the baseline a strong peer's own are judged against), and
-    ``horizontal`` when peers are alike and the B shared prompts should get more samples each
-    (same compute, G + F completions per prompt instead of G). The benchmark figures of both are
-    in docs/grpo.md."""
+    """How peers share a round's groups (docs/grpo.md, 'Topologies'). ``horizontal`` (ours, the
+    default): every peer answers the same B prompts and a prompt's group mixes its G own
+    completions with up to F foreign ones, one advantage normalisation over both. ``vertical``
+    (the F-TIS paper's): each peer answers B prompts of its own (seeded by run, peer and round)
+    and publishes whole groups; a receiver trains on each foreign group as a group of its own
+    (advantages within the generator's group), up to B x F foreign completions a round.
+    Swarm-wide: a vertical peer's batches are refused by horizontal peers (config hash) and the
+    other way round. Measured on the heterogeneous benchmark (three peer sizes, G = 2, 3 seeds,
+    150 rounds) horizontal gained more over solo training (1.62x vs 1.32x; vertical lower for 8
+    of 9 peer-seed pairs), so it stays the default for heterogeneous swarms too. Use
+    ``vertical`` to follow the paper or when the swarm should cover more distinct prompts per
+    round (N x B instead of B); consider it with larger groups (G >= 4, not measured: a group of
+    2 has an advantage only when exactly one answer is right); expect slower learning at G = 2."""
 
     # ---- local knobs (not hashed) ----
     mode: Literal["ftis", "uncorrected", "solo"] = "ftis"
