@@ -204,10 +204,12 @@ def summarize(runs: list[dict[str, Any]], seeds: Sequence[int], default: str = "
                                                               if r["arm"] == f"ftis_{topo}" for p in r["peers"]]),
                              "ftis_weight_mean": mean([p["weight_mean"] for r in runs if r["arm"] == f"ftis_{topo}"
                                                        for p in r["peers"]])}
-    head = by_topology.get(default) or next(iter(by_topology.values()), {})
+    shown = default if default in by_topology else next(iter(by_topology), default)  # --topologies without it
+    head = by_topology.get(shown, {})
     shared = [p for r in runs if r["mode"] != "solo" for p in r["peers"]]
     summary = {
         "default_topology": default,
+        "topology": shown,  # the topology of the top-level F-TIS figures
         "reward_gain_ftis_vs_solo": head.get("reward_gain_ftis_vs_solo"),
         "reward_ratio_ftis_vs_uncorrected": head.get("reward_ratio_ftis_vs_uncorrected"),
         "gain_per_peer": head.get("gain_per_peer"), "ratio_per_peer": head.get("ratio_per_peer"),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,7 @@ class Learner:
         self.n_params = self.policy.n_params
         self.filters: list[Filter] = []
         self._prompt_cache: dict[tuple[int, str], dict[bytes, Prompt]] = {}
+        self._prompt_lock = threading.Lock()     # round_prompts runs on the event loop (inbox) and the compute thread
         self.defense = None          # rl.defense.Defense (admission, logit check, judge, rate bans)
         need = max(len(self.policy.encode(p.text)) for p in self.heldout) + cfg.max_completion_tokens
         if need > self.policy.max_seq_len:
@@ -240,12 +242,14 @@ class Learner:
         rebuild a foreign group's prompt from it; the last few rounds are cached."""
         peer = self.sender if peer is None else peer
         key = (round_, prompt_key(self.run, self.cfg.topology, peer))
-        got = self._prompt_cache.get(key)
+        with self._prompt_lock:
+            got = self._prompt_cache.get(key)
         if got is None:
             got = {p.prompt_id: p for p in self.task.prompts(key[1], round_, self.cfg.prompts_per_round)}
-            self._prompt_cache[key] = got
-            for old in [k for k in self._prompt_cache if k[0] < round_ - 4]:
-                del self._prompt_cache[old]
+            with self._prompt_lock:
+                self._prompt_cache[key] = got
+                for old in [k for k in self._prompt_cache if k[0] < round_ - 4]:
+                    del self._prompt_cache[old]
         return got
 
     def generate(self, round_: int) -> Generation:
