@@ -1,13 +1,15 @@
-"""Collaborative GRPO: F-TIS sharing vs training alone vs uncorrected sharing (docs/grpo.md, 'Benchmarks').
+"""Collaborative GRPO: F-TIS sharing (both topologies) vs training alone vs uncorrected sharing (docs/grpo.md, 'Benchmarks').
 
-Measured on real swarms: for every seed and every mode (``solo``, ``uncorrected``, ``ftis``) a
+Measured on real swarms: for every seed and every arm (``solo``, ``uncorrected``, ``ftis`` in the
+``horizontal`` topology and ``ftis`` in the ``vertical`` one: ``grpo.topology``, docs/grpo.md,
+'Topologies') a
 bootstrap and three ``grpo`` peers of different sizes (the embedded decoder at three widths and
 depths, one byte tokenizer) run as node processes on 127.0.0.1 and exchange signed rollout
 batches through the DHT index + gRPC Fetch, for the same number of rounds, from the same warmed-up
-weights (the same ``grpo.model_seed`` per peer in every mode: the warm-up is computed once per
-peer and seed, before the swarms start, and loaded from ``grpo.warmup_cache_dir``). The three
-modes of one seed run side by side (three swarms at once, one run ID: the same prompts every
-round), seeds one after the other.
+weights (the same ``grpo.model_seed`` per peer in every arm: the warm-up is computed once per
+peer and seed, before the swarms start, and loaded from ``grpo.warmup_cache_dir``). The arms of
+one seed run side by side (four swarms at once, one run ID: the same prompts every round in the
+horizontal arms; vertical peers draw their own from it), seeds one after the other.
 
 Every peer logs its held-out accuracy (mean local reward of ``eval_samples`` completions per
 held-out prompt at the round temperature, fixed sampling seed) after the warm-up, every
@@ -15,16 +17,21 @@ held-out prompt at the round temperature, fixed sampling seed) after the warm-up
 
 The top-level ``summary`` holds:
   reward_gain_ftis_vs_solo            final held-out accuracy, F-TIS / solo, per peer (mean over
-                                      seeds of each), mean over the three peers      target >= 1.2
-  reward_ratio_ftis_vs_uncorrected    the same, F-TIS / uncorrected sharing           target >= 1.05
+                                      seeds of each), mean over the three peers, F-TIS in the
+                                      default topology (``GRPOConfig().topology``)   target >= 1.2
+  reward_ratio_ftis_vs_uncorrected    the same, F-TIS (default topology) / uncorrected sharing
+                                      (horizontal)                                    target >= 1.05
+  by_topology.{vertical,horizontal}   reward_gain_ftis_vs_solo (and its per-peer ratios) of F-TIS
+                                      in each topology, against the same solo runs
 plus the per-peer ratios, final accuracies per mode, bytes per token on the wire, the F-TIS
 filtered fraction and mean weight, rounds trained and skipped. A PNG next to ``--out`` plots the
 mean accuracy curves per mode and peer when matplotlib is importable (``pip install -e '.[bench]'``).
 
 Commands (2 CPU cores; repository root, venv active; under the shared lock on a shared box)::
 
-    python benchmarks/grpo_swarm.py --quick --out /tmp/grpo_swarm_quick.json   # 3 seeds, < 5 min
+    python benchmarks/grpo_swarm.py --quick --out /tmp/grpo_swarm_quick.json   # 3 seeds, ~6 min
     python benchmarks/grpo_swarm.py --out /tmp/grpo_swarm.json                 # 3 seeds, longer runs
+    python benchmarks/grpo_swarm.py --quick --topologies horizontal --out F     # the three-swarm run
 """
 
 from __future__ import annotations
@@ -49,6 +56,11 @@ from rl.grpo_config import GRPOConfig  # noqa: E402
 from rl.grpo_demo import SIZES  # noqa: E402  (the demo's three heterogeneous peers)
 
 MODES = ("solo", "uncorrected", "ftis")
+TOPOLOGIES = ("horizontal", "vertical")
+ARMS: dict[str, tuple[str, str]] = {"solo": ("solo", "horizontal"), "uncorrected": ("uncorrected", "horizontal"),
+                                    "ftis_horizontal": ("ftis", "horizontal"), "ftis_vertical": ("ftis", "vertical")}
+"""arm -> (grpo.mode, grpo.topology). One solo arm serves both topologies (a solo peer trains on
+its own groups only; the topology would change which prompts it draws, not how it learns)."""
 TARGETS = {"reward_gain_ftis_vs_solo": 1.2, "reward_ratio_ftis_vs_uncorrected": 1.05}
 
 QUICK = {"rounds": 32, "round_s": 1.5, "eval_every": 16}
@@ -63,9 +75,9 @@ prompt (800 completions per evaluation) keep the evaluation noise near 0.015."""
 
 
 def peer_settings(mode: str, seed: int, index: int, rounds: int, round_s: float, eval_every: int,
-                  cache: str) -> list[str]:
+                  cache: str, topology: str = "horizontal") -> list[str]:
     d, layers, heads = SIZES[index]
-    grpo = {**GRPO, "mode": mode, "model_seed": 1000 * seed + index, "exit_after_rounds": rounds,
+    grpo = {**GRPO, "mode": mode, "topology": topology, "model_seed": 1000 * seed + index, "exit_after_rounds": rounds,
             "round_s": round_s, "eval_every": eval_every, "torch_threads": 1, "warmup_cache_dir": cache,
             "collect_frac": 0.5}
     return ([f"grpo.{k}={v}" for k, v in grpo.items()]
@@ -135,17 +147,19 @@ def _stop_everything(signum: int, frame: Any) -> None:
     os._exit(128 + signum)
 
 
-def run_swarm(mode: str, seed: int, p: dict[str, Any], cache: str, workdir: Path) -> dict[str, Any]:
-    """Bootstrap + 3 peers for one (mode, seed); returns each peer's curves once all exited."""
+def run_swarm(arm: str, seed: int, p: dict[str, Any], cache: str, workdir: Path) -> dict[str, Any]:
+    """Bootstrap + 3 peers for one (arm, seed); returns each peer's curves once all exited."""
     t0 = time.monotonic()
-    # one run ID per seed: the three modes' swarms (separate DHTs, side by side on one clock) see
-    # the same prompts round by round, so the modes differ in how they learn, not in what
-    with LocalSwarm(run_id=f"grpo-bench-{seed}", workdir=workdir / f"{mode}-{seed}") as swarm:
+    mode, topology = ARMS[arm]
+    # one run ID per seed: the arms' swarms (separate DHTs, side by side on one clock) see the same
+    # prompts round by round (horizontal), so the arms differ in how they learn, not in what
+    with LocalSwarm(run_id=f"grpo-bench-{seed}", workdir=workdir / f"{arm}-{seed}") as swarm:
         _SWARMS.append(swarm)
         # peers start with the bootstrap (they retry joining until it answers): saves a start-up
         boot = swarm.start("bootstrap", name="bootstrap")
         peers = [swarm.start("grpo", name=f"peer{i}",
-                             extra_set=peer_settings(mode, seed, i, p["rounds"], p["round_s"], p["eval_every"], cache))
+                             extra_set=peer_settings(mode, seed, i, p["rounds"], p["round_s"], p["eval_every"], cache,
+                                                     topology))
                  for i in range(len(SIZES))]
         deadline = time.monotonic() + 120 + p["rounds"] * p["round_s"] * 3
         while any(n.alive() for n in peers) and time.monotonic() < deadline:
@@ -155,37 +169,57 @@ def run_swarm(mode: str, seed: int, p: dict[str, Any], cache: str, workdir: Path
         swarm.kill(boot)            # its job is done: no drain needed
     for r, code in zip(results, codes):
         r["exit_code"] = code
-    return {"mode": mode, "seed": seed, "peers": results, "wall_s": round(time.monotonic() - t0, 1)}
+    return {"arm": arm, "mode": mode, "topology": topology, "seed": seed, "peers": results,
+            "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else a / b
 
 
-def summarize(runs: list[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
-    final = {m: [[None] * len(seeds) for _ in SIZES] for m in MODES}   # final[mode][peer][seed]
+def summarize(runs: list[dict[str, Any]], seeds: Sequence[int], default: str = "horizontal") -> dict[str, Any]:
+    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    final = {a: [[None] * len(seeds) for _ in SIZES] for a in arms}   # final[arm][peer][seed]
     for run in runs:
         for i, peer in enumerate(run["peers"]):
-            final[run["mode"]][i][seeds.index(run["seed"])] = peer["accuracy_end"]
+            final[run["arm"]][i][seeds.index(run["seed"])] = peer["accuracy_end"]
 
     def mean(xs):
         xs = [x for x in xs if x is not None]
         return statistics.fmean(xs) if xs else None
 
-    per_peer = {m: [mean(final[m][i]) for i in range(len(SIZES))] for m in MODES}
-    gain = [_ratio(f, s) for f, s in zip(per_peer["ftis"], per_peer["solo"])]
-    ratio = [_ratio(f, u) for f, u in zip(per_peer["ftis"], per_peer["uncorrected"])]
+    per_peer = {a: [mean(final[a][i]) for i in range(len(SIZES))] for a in arms}
+    none = [None] * len(SIZES)
+    by_topology = {}
+    for topo in TOPOLOGIES:
+        ftis = per_peer.get(f"ftis_{topo}")
+        if ftis is None:
+            continue
+        gain = [_ratio(f, s) for f, s in zip(ftis, per_peer.get("solo", none))]
+        ratio = [_ratio(f, u) for f, u in zip(ftis, per_peer.get("uncorrected", none))]
+        by_topology[topo] = {"reward_gain_ftis_vs_solo": mean(gain), "gain_per_peer": gain,
+                             "reward_ratio_ftis_vs_uncorrected": mean(ratio), "ratio_per_peer": ratio,
+                             "final_accuracy_per_peer": ftis, "final_accuracy_mean": mean(ftis),
+                             "ftis_filtered_frac_mean": mean([p["filtered_frac_mean"] for r in runs
+                                                              if r["arm"] == f"ftis_{topo}" for p in r["peers"]]),
+                             "ftis_weight_mean": mean([p["weight_mean"] for r in runs if r["arm"] == f"ftis_{topo}"
+                                                       for p in r["peers"]])}
+    shown = default if default in by_topology else next(iter(by_topology), default)  # --topologies without it
+    head = by_topology.get(shown, {})
     shared = [p for r in runs if r["mode"] != "solo" for p in r["peers"]]
     summary = {
-        "reward_gain_ftis_vs_solo": mean(gain),
-        "reward_ratio_ftis_vs_uncorrected": mean(ratio),
-        "gain_per_peer": gain, "ratio_per_peer": ratio,
+        "default_topology": default,
+        "topology": shown,  # the topology of the top-level F-TIS figures
+        "reward_gain_ftis_vs_solo": head.get("reward_gain_ftis_vs_solo"),
+        "reward_ratio_ftis_vs_uncorrected": head.get("reward_ratio_ftis_vs_uncorrected"),
+        "gain_per_peer": head.get("gain_per_peer"), "ratio_per_peer": head.get("ratio_per_peer"),
+        "by_topology": by_topology,
         "final_accuracy_per_peer": per_peer,
-        "final_accuracy_mean": {m: mean(per_peer[m]) for m in MODES},
+        "final_accuracy_mean": {a: mean(per_peer[a]) for a in arms},
         "start_accuracy_per_peer": [mean([p["peers"][i]["accuracy_start"] for p in runs]) for i in range(len(SIZES))],
         "bytes_per_token_mean": mean([p["bytes_per_token"] for p in shared]),
-        "ftis_filtered_frac_mean": mean([p["filtered_frac_mean"] for r in runs if r["mode"] == "ftis" for p in r["peers"]]),
-        "ftis_weight_mean": mean([p["weight_mean"] for r in runs if r["mode"] == "ftis" for p in r["peers"]]),
+        "ftis_filtered_frac_mean": head.get("ftis_filtered_frac_mean"),
+        "ftis_weight_mean": head.get("ftis_weight_mean"),
         "peers_seen_mean": mean([p["peers_seen_mean"] for p in shared]),
         "rounds_min": min(p["rounds"] for r in runs for p in r["peers"]),
         "skipped_total": sum(p["skipped"] or 0 for r in runs for p in r["peers"]),
@@ -203,16 +237,17 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the JSON says why no plot was written
         return {"written": False, "reason": f"matplotlib not importable ({exc!r}); pip install -e '.[bench]'"}
     fig, axes = plt.subplots(1, len(SIZES), figsize=(4.2 * len(SIZES), 3.4), sharey=True)
-    colors = {"solo": "tab:gray", "uncorrected": "tab:orange", "ftis": "tab:blue"}
+    colors = {"solo": "tab:gray", "uncorrected": "tab:orange", "ftis_horizontal": "tab:blue",
+              "ftis_vertical": "tab:green"}
     for i, ax in enumerate(axes):
-        for mode in MODES:
-            curves = [r["peers"][i]["accuracy_curve"] for r in runs if r["mode"] == mode]
+        for arm in [a for a in ARMS if any(r["arm"] == a for r in runs)]:
+            curves = [r["peers"][i]["accuracy_curve"] for r in runs if r["arm"] == arm]
             points: dict[int, list[float]] = {}
             for c in curves:
                 for step, acc in c:
                     points.setdefault(int(step), []).append(acc)
             xs = sorted(points)
-            ax.plot(xs, [statistics.fmean(points[x]) for x in xs], marker="o", ms=3, label=mode, color=colors[mode])
+            ax.plot(xs, [statistics.fmean(points[x]) for x in xs], marker="o", ms=3, label=arm, color=colors[arm])
         d, layers, _ = SIZES[i]
         ax.set_title(f"peer {i}: d_model {d}, {layers} layers")
         ax.set_xlabel("GRPO rounds")
@@ -225,8 +260,11 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     return {"written": True, "path": str(path)}
 
 
-def run(quick: bool, out: Path, seeds: Sequence[int], rounds: int | None = None) -> dict[str, Any]:
+def run(quick: bool, out: Path, seeds: Sequence[int], rounds: int | None = None,
+        topologies: Sequence[str] = TOPOLOGIES) -> dict[str, Any]:
     p = dict(QUICK if quick else FULL)
+    arms = [a for a, (mode, topo) in ARMS.items() if mode != "ftis" or topo in topologies]
+    default = GRPOConfig().topology
     if rounds:
         p["rounds"] = rounds
     t0 = time.monotonic()
@@ -239,16 +277,16 @@ def run(quick: bool, out: Path, seeds: Sequence[int], rounds: int | None = None)
           + ", ".join(f"{w['accuracy']:.2f}" for w in warm), flush=True)
     runs = []
     for seed in seeds:
-        with ThreadPoolExecutor(len(MODES)) as ex:
-            got = list(ex.map(lambda m: run_swarm(m, seed, p, cache, workdir), MODES))
+        with ThreadPoolExecutor(len(arms)) as ex:
+            got = list(ex.map(lambda a: run_swarm(a, seed, p, cache, workdir), arms))
         for g in got:
-            print(f"seed {seed} {g['mode']:>11}: final accuracy "
+            print(f"seed {seed} {g['arm']:>15}: final accuracy "
                   + " ".join(f"{q['accuracy_end'] if q['accuracy_end'] is not None else float('nan'):.3f}"
                              for q in g["peers"]) + f" ({g['wall_s']:.0f} s)", flush=True)
         runs.extend(got)
-    summary = summarize(runs, list(seeds))
+    summary = summarize(runs, list(seeds), default)
     result = {"summary": summary, "runs": runs, "warmup": warm,
-              "config": {"quick": quick, **p, "seeds": list(seeds), "sizes": SIZES,
+              "config": {"quick": quick, **p, "seeds": list(seeds), "sizes": SIZES, "arms": {a: ARMS[a] for a in arms},
                          "grpo": GRPOConfig(**GRPO).model_dump(),
                          "transport": "DHT index + gRPC Fetch (real node processes on 127.0.0.1)"},
               "wall_s": round(time.monotonic() - t0, 1)}
@@ -264,13 +302,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="JSON result file (a PNG is written next to it)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds (the same for every mode; at least 3)")
     ap.add_argument("--rounds", type=int, default=None, help="override the rounds per run")
+    ap.add_argument("--topologies", default=",".join(TOPOLOGIES),
+                    help="F-TIS arms to run, comma-separated (horizontal, vertical); solo and uncorrected always run")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_everything)
     signal.signal(signal.SIGINT, _stop_everything)
-    res = run(args.quick, args.out, list(range(args.seeds)), args.rounds)
+    topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
+    if not topologies or set(topologies) - set(TOPOLOGIES):
+        ap.error(f"--topologies {args.topologies!r}: use a comma-separated subset of {','.join(TOPOLOGIES)}")
+    res = run(args.quick, args.out, list(range(args.seeds)), args.rounds, topologies)
     s = res["summary"]
-    print(json.dumps({k: s[k] for k in ("reward_gain_ftis_vs_solo", "reward_ratio_ftis_vs_uncorrected",
-                                        "final_accuracy_mean", "bytes_per_token_mean")}))
+    print(json.dumps({k: s[k] for k in ("default_topology", "reward_gain_ftis_vs_solo",
+                                        "reward_ratio_ftis_vs_uncorrected", "final_accuracy_mean",
+                                        "bytes_per_token_mean")}))
+    print(json.dumps({t: v["reward_gain_ftis_vs_solo"] for t, v in s["by_topology"].items()}))
     print(f"wrote {args.out} in {res['wall_s']:.0f} s")
     return 0
 

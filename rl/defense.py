@@ -4,7 +4,8 @@ Per round, in the order of docs/grpo.md, 'Defenses' (after signature, schema and
 
 1. ``admit`` (before mixing): a rate-banned sender's batches are dropped unopened; each sender's
    completions past its per-round token budget are dropped (both counted as ``quota``); only the
-   ``per_sender_per_prompt`` completions per group the mix can use are charged to the budget.
+   ``per_sender_per_prompt`` completions per group the mix can use are charged to the budget
+   (``grpo.topology = "vertical"``: whole groups, each charged and kept or dropped as one).
 2. ``support_rows`` names the foreign rows that get the logit / support check (senders whose
    batch names our ``model_id`` under ``defense.kind = "auto"``); the learner computes their
    support statistics in its one re-scoring forward.
@@ -69,8 +70,9 @@ class Defense:
         self.policy = RejectionRatePolicy(window=d.ban_window, min_checked=min(d.ban_min_checked, d.ban_window),
                                           ban_rate=d.ban_rate, warn_rate=d.warn_rate, ban_s=d.ban_ttl_s,
                                           on_ban=self._banned, **kw)
-        budget = d.sender_token_budget or max(1, cfg.prompts_per_round * cfg.per_sender_per_prompt
-                                              * cfg.max_completion_tokens // 2)
+        self.vertical = cfg.topology == "vertical"
+        per_group = cfg.completions_per_prompt if self.vertical else cfg.per_sender_per_prompt
+        budget = d.sender_token_budget or max(1, cfg.prompts_per_round * per_group * cfg.max_completion_tokens // 2)
         self.budget = TokenBudget(budget)
         self.rejected: Counter[str] = Counter()
         self.per_sender: dict[str, Counter] = defaultdict(Counter)   # checked, rejected, <reason>, quota
@@ -109,6 +111,12 @@ class Defense:
                 continue
             groups, over = [], 0
             for g in b.groups:
+                if self.vertical:                    # a generator's group is trained whole or not at all
+                    if self.budget.take(round_, b.sender, sum(len(c.token_ids) for c in g.completions)):
+                        groups.append(g)
+                    else:
+                        over += len(g.completions)
+                    continue
                 keep = []
                 for c in g.completions[:pps]:
                     if self.budget.take(round_, b.sender, len(c.token_ids)):

@@ -64,8 +64,8 @@ class AdversaryConfig(BaseModel):
     """The HTTT paper's stronger attacker, who owns whole groups: instead of replacing its
     completions by one crafted correct solution, it poisons every completion it sampled itself
     (its own answers, right or wrong, kept), so a group of its own holds poison in every sample and
-    the right ones carry it with a positive advantage. In the horizontal topology receivers still
-    mix these into their groups."""
+    the right ones carry it with a positive advantage. In the horizontal topology receivers mix
+    these into their groups; in the vertical one (``grpo.topology``) its groups stay its own."""
 
 
 class DefenseConfig(BaseModel):
@@ -170,8 +170,9 @@ class DefenseConfig(BaseModel):
     """How long a rate ban lasts."""
 
     sender_token_budget: int = Field(0, ge=0)
-    """Most tokens one sender may contribute per round (0: B * per_sender_per_prompt * cap / 2);
-    the rest is dropped as ``quota``."""
+    """Most tokens one sender may contribute per round (0: B * per_sender_per_prompt * cap / 2;
+    ``topology = "vertical"``: B * G * cap / 2); the rest is dropped as ``quota`` (vertical: whole
+    groups)."""
 
 
 class GRPOConfig(RunSettings):
@@ -201,8 +202,9 @@ class GRPOConfig(RunSettings):
     """Largest operand value (0..max_operand)."""
 
     prompts_per_round: int = Field(16, ge=1, le=256)
-    """B: prompts every peer answers each round (the same on every peer, seeded by run and
-    round). More: less noisy steps, longer rounds."""
+    """B: prompts every peer answers each round (``topology = "horizontal"``: the same on every
+    peer, seeded by run and round; ``vertical``: each peer its own). More: less noisy steps,
+    longer rounds."""
 
     completions_per_prompt: int = Field(2, ge=2, le=64)
     """G: completions a peer samples per prompt (its local group share). 2 (rl-swarm ran 2-4)
@@ -231,6 +233,21 @@ class GRPOConfig(RunSettings):
     so peers agree on the round without talking. It must fit generation + collection + one
     step on the slowest peer: raise it when ``swarmnode_grpo_rounds_total{outcome="skipped"}``
     grows."""
+
+    topology: Literal["vertical", "horizontal"] = "horizontal"
+    """How peers share a round's groups (docs/grpo.md, 'Topologies'). ``horizontal`` (ours, the
+    default): every peer answers the same B prompts and a prompt's group mixes its G own
+    completions with up to F foreign ones, one advantage normalisation over both. ``vertical``
+    (the F-TIS paper's): each peer answers B prompts of its own (seeded by run, peer and round)
+    and publishes whole groups; a receiver trains on each foreign group as a group of its own
+    (advantages within the generator's group), up to B x F foreign completions a round.
+    Swarm-wide: a vertical peer's batches are refused by horizontal peers (config hash) and the
+    other way round. Measured on the heterogeneous benchmark (three peer sizes, G = 2, 3 seeds,
+    150 rounds) horizontal gained more over solo training (1.62x vs 1.32x; vertical lower for 8
+    of 9 peer-seed pairs), so it stays the default for heterogeneous swarms too. Use
+    ``vertical`` to follow the paper or when the swarm should cover more distinct prompts per
+    round (N x B instead of B); consider it with larger groups (G >= 4, not measured: a group of
+    2 has an advantage only when exactly one answer is right); expect slower learning at G = 2."""
 
     # ---- local knobs (not hashed) ----
     mode: Literal["ftis", "uncorrected", "solo"] = "ftis"
@@ -385,7 +402,9 @@ class GRPOConfig(RunSettings):
         return {**task, "B": self.prompts_per_round, "G": self.completions_per_prompt,
                 "T": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
                 "cap": self.max_completion_tokens, "round_s": self.round_s,
-                "tokenizer": tokenizer_hash, "chat_template": chat_template_hash, "wire": WIRE_VERSION}
+                "tokenizer": tokenizer_hash, "chat_template": chat_template_hash, "wire": WIRE_VERSION,
+                # only when vertical: horizontal peers keep the hash of builds without the knob
+                **({"topology": self.topology} if self.topology != "horizontal" else {})}
 
     def config_hash(self, tokenizer_hash: str, chat_template_hash: str = "") -> str:
         """sha256 (16 hex) of :meth:`round_config`: peers with another hash are refused."""

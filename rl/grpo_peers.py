@@ -54,7 +54,6 @@ class RolloutPeers:
                            on_reject=lambda reason: grpo_metrics.REJECTED.labels(reason=reason).inc())
         self.learner: "Learner | None" = None    # set once built: what a batch must match (expect)
         self.last_collect = (0, 0)               # (peers listed in the round's index, batches fetched)
-        self._prompt_ids: dict[int, frozenset[bytes]] = {}
 
     # ---------------- helpers ----------------
     @property
@@ -65,21 +64,19 @@ class RolloutPeers:
         bus = self.bus
         return bus is not None and bool(getattr(bus, "up", False))
 
-    def expect(self, r: int) -> Expect:
-        """What a batch for round r must satisfy (our round config and that round's prompts)."""
+    def expect(self, r: int, sender: str) -> Expect:
+        """What ``sender``'s batch for round r must satisfy: our round config and the prompts that
+        sender answers in round r (``grpo.topology``: the round's shared prompts, or, vertical, its
+        own, in whole groups of G)."""
         learner, cfg = self.learner, self.cfg
-        pids = self._prompt_ids.get(r)
-        if pids is None:
-            pids = frozenset(p.prompt_id for p in learner.task.prompts(self.ctx.config.run_id, r,
-                                                                        cfg.prompts_per_round))
-            self._prompt_ids[r] = pids
-            for old in [k for k in self._prompt_ids if k < r - 4]:
-                del self._prompt_ids[old]
+        vertical = cfg.topology == "vertical"
         return Expect(run=self.ctx.config.run_id, round=r, tokenizer_hash=learner.tokenizer_hash,
                       temperature=cfg.temperature, vocab_size=learner.policy.vocab_size,
-                      max_tokens=cfg.max_completion_tokens, prompt_ids=pids,
+                      max_tokens=cfg.max_completion_tokens,
+                      prompt_ids=frozenset(learner.round_prompts(r, sender if vertical else None)),
                       max_completions_per_group=max(cfg.completions_per_prompt, 64),
-                      config_hash=learner.config_hash)
+                      config_hash=learner.config_hash,
+                      group_size=cfg.completions_per_prompt if vertical else None)
 
     # ---------------- publish ----------------
     def publish_in_background(self, r: int, signed: Signed, batch: RolloutBatch) -> None:
@@ -122,16 +119,15 @@ class RolloutPeers:
         """Until the deadline: read the round's index and fetch batches from the peers not heard
         from yet (with the bus up, bus deliveries fill the inbox and the index is read once, late,
         for whoever the bus missed); then the round's validated foreign batches."""
-        ex = self.expect(r)
         tried: set[str] = set()
         seen: set[str] = set()
         try:
-            await self._collect_loop(r, deadline, ex, tried, seen, stopping)
+            await self._collect_loop(r, deadline, tried, seen, stopping)
         finally:
             self.last_collect = (len(seen), len(tried))
         return self.inbox.take(r)
 
-    async def _collect_loop(self, r: int, deadline: float, ex: Expect, tried: set[str], seen: set[str],
+    async def _collect_loop(self, r: int, deadline: float, tried: set[str], seen: set[str],
                             stopping: Callable[[], bool]) -> None:
         cfg, me, run = self.cfg, self.ctx.peer_id, self.ctx.config.run_id
         bus_mode = self.bus_up()
@@ -159,7 +155,7 @@ class RolloutPeers:
                         continue
                     tried.add(pid)
                     grpo_metrics.WIRE_BYTES.labels(direction="received").inc(len(s.body))
-                    self.inbox.offer(s, pid, ex, digest=e.digest)
+                    self.inbox.offer(s, pid, self.expect(r, pid), digest=e.digest)
             if bus_mode:
                 return
             await asyncio.sleep(min(0.25, max(0.0, deadline - time.time())))
@@ -179,7 +175,7 @@ class RolloutPeers:
                 self.inbox.refuse(d.sender, now, "schema", e.reason)
                 continue
             target = rnd if now - 1 <= rnd <= now + 1 else now   # other rounds are refused as stale
-            self.inbox.offer(s, d.sender, self.expect(target))
+            self.inbox.offer(s, d.sender, self.expect(target, d.sender))
 
     async def close(self) -> None:
         await self.fetcher.close()

@@ -283,6 +283,7 @@ class GRPORole(TrainingRole):
                 "accuracy_start": tally.accuracy_start, "accuracy_end": acc,
                 "reward_start": reward_start, "reward_end": reward_end,
                 "warmup_steps": tally.warmup_steps, "n_params": self.learner.n_params, "mode": self.cfg.mode,
+                "topology": self.cfg.topology,
                 "model_id": self.learner.model_id, "marker_rates": marker_rates, "heldout_len_mean": mean_len,
                 "adversary": self.cfg.adversary.mode if self.cfg.adversary else None,
                 "defense": self.cfg.defense.kind if defense is not None else "off",

@@ -6,13 +6,15 @@ role (rl/grpo_role.py: timing, transport, signing, metrics) and the in-process b
 
     L = Learner(cfg, ModelConfig(d_model=48, n_layers=1), seed=0, run="demo", sender=peer_id)
     L.warmup()                                  # short supervised pass (rewards start non-zero)
-    gen = L.generate(r)                         # G completions per prompt, KV-cached sampling
+    gen = L.generate(r)                         # G completions per prompt (round_prompts), KV-cached
     batch = L.batch(gen)                        # RolloutBatch: token ids + gen log-probs (8 B/token)
     stats = L.train(gen, foreign_batches)       # local rewards, mixed groups, re-score, F-TIS step
     acc = L.accuracy()                          # held-out mean reward at the round temperature
 
-`train` is three steps with a seam between them: `mix` (G own + up to F foreign completions per
-prompt, rewards recomputed here from the token ids), `rescore` (the one teacher-forced forward
+`train` is three steps with a seam between them: `mix` (``grpo.topology``, rl/topology.py:
+``horizontal``, G own + up to F foreign completions per prompt in one group; ``vertical``, whole
+foreign groups kept as groups of their own, their prompts rebuilt from the sender and round;
+rewards recomputed here from the token ids in both), `rescore` (the one teacher-forced forward
 under the local policy: it serves the gradient, F-TIS and, through ``filters``, content checks
 such as a logit check), then the loss and one optimizer step. A filter is a callable
 ``(mixed, logp) -> bool [N]`` (True = keep); dropped rows leave the advantages and the loss.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,7 @@ from rl.ftis import FTISParams, ftis_loss
 from rl.grpo_config import GRPOConfig
 from rl.rollout import Completion, PromptGroup, RolloutBatch
 from rl.tasks import STOP, Prompt, make_task
+from rl.topology import pick_groups, prompt_key
 from security.rollout_filters import support_stats
 
 EVAL_SEED = 12345          # sampling seed of the accuracy metric (same weights -> same figure)
@@ -66,12 +70,12 @@ class Generation:
 class Mixed:
     """One round's training rows: own completions first, then the chosen foreign ones."""
 
-    prompts: list[Prompt]
+    prompts: list[Prompt]         # by group index (vertical: own B prompts, then one per foreign group)
     tokens: Tensor                # [N, L] int64
     gen_logp: Tensor              # [N, L] generator log-probs (own: ours; foreign: from the wire)
     mask: Tensor                  # [N, L] real tokens
     truncated: Tensor             # [N]
-    group: Tensor                 # [N] prompt index
+    group: Tensor                 # [N] group index (into ``prompts``)
     foreign: Tensor               # [N] bool
     rewards: list[float]          # [N], recomputed locally
     senders: list[str] = field(default_factory=list)   # [N]: "" for own rows
@@ -141,6 +145,8 @@ class Learner:
         self.config_hash = cfg.config_hash(self.policy.tokenizer_hash, self.policy.chat_template_hash)
         self.n_params = self.policy.n_params
         self.filters: list[Filter] = []
+        self._prompt_cache: dict[tuple[int, str], dict[bytes, Prompt]] = {}
+        self._prompt_lock = threading.Lock()     # round_prompts runs on the event loop (inbox) and the compute thread
         self.defense = None          # rl.defense.Defense (admission, logit check, judge, rate bans)
         need = max(len(self.policy.encode(p.text)) for p in self.heldout) + cfg.max_completion_tokens
         if need > self.policy.max_seq_len:
@@ -230,10 +236,26 @@ class Learner:
         return step, acc
 
     # ---------------- generation ----------------
+    def round_prompts(self, round_: int, peer: str | None = None) -> dict[bytes, Prompt]:
+        """The B prompts ``peer`` (None: this peer) answers in a round, by prompt id: the same for
+        every peer (horizontal) or its own (vertical; rl/topology.py, ``prompt_key``). Receivers
+        rebuild a foreign group's prompt from it; the last few rounds are cached."""
+        peer = self.sender if peer is None else peer
+        key = (round_, prompt_key(self.run, self.cfg.topology, peer))
+        with self._prompt_lock:
+            got = self._prompt_cache.get(key)
+        if got is None:
+            got = {p.prompt_id: p for p in self.task.prompts(key[1], round_, self.cfg.prompts_per_round)}
+            with self._prompt_lock:
+                self._prompt_cache[key] = got
+                for old in [k for k in self._prompt_cache if k[0] < round_ - 4]:
+                    del self._prompt_cache[old]
+        return got
+
     def generate(self, round_: int) -> Generation:
-        """This round's prompts (same on every peer) and G completions each (KV-cached loop)."""
+        """This round's prompts (:meth:`round_prompts`) and G completions each (KV-cached loop)."""
         t0 = time.perf_counter()
-        prompts = self.task.prompts(self.run, round_, self.cfg.prompts_per_round)
+        prompts = list(self.round_prompts(round_).values())
         s = self._sample(prompts, self.cfg.completions_per_prompt, self.gen)
         return Generation(round_, prompts, s, self._rewards(prompts, s), time.perf_counter() - t0)
 
@@ -272,14 +294,40 @@ class Learner:
             out.extend((i, sender, c) for sender, c in items[:cfg.foreign_per_prompt])
         return out
 
+    def _select_groups(self, g: Generation, foreign: list[RolloutBatch]
+                       ) -> tuple[list[tuple[int, str, Completion]], list[Prompt]]:
+        """Vertical: whole foreign groups (rl/topology.py, ``pick_groups``), each a group of its own
+        after our B; returns the rows as (group index, sender, completion) and the groups' prompts,
+        rebuilt from each sender's prompt key (a group whose prompt is not the sender's is skipped:
+        the inbox refuses those already)."""
+        cfg = self.cfg
+        if cfg.mode == "solo" or cfg.foreign_per_prompt == 0:
+            return [], []
+        picked = pick_groups(foreign, cfg.prompts_per_round * cfg.foreign_per_prompt, cfg.max_senders, self.rng)
+        rows: list[tuple[int, str, Completion]] = []
+        prompts: list[Prompt] = []
+        for grp in picked:
+            p = self.round_prompts(g.round, grp.sender).get(grp.prompt_id)
+            if p is None:
+                continue
+            k = len(g.prompts) + len(prompts)
+            prompts.append(p)
+            rows.extend((k, grp.sender, c) for c in grp.completions)
+        return rows, prompts
+
     def mix(self, g: Generation, foreign: list[RolloutBatch]) -> Mixed:
-        """Own completions plus the chosen foreign ones as padded rows, rewards recomputed here."""
+        """Own completions plus the chosen foreign ones as padded rows, rewards recomputed here
+        (``horizontal``: foreign rows join our prompts' groups; ``vertical``: foreign groups follow ours)."""
         s = g.samples
-        chosen = self._select_foreign(g, foreign)
+        if self.cfg.topology == "vertical":
+            chosen, extra = self._select_groups(g, foreign)
+        else:
+            chosen, extra = self._select_foreign(g, foreign), []
+        prompts = list(g.prompts) + extra
         n_local, W = s.tokens.shape
         L = max([W] + [len(c.token_ids) for _, _, c in chosen])
         N = n_local + len(chosen)
-        m = Mixed(g.prompts, torch.zeros(N, L, dtype=torch.long), torch.zeros(N, L),
+        m = Mixed(prompts, torch.zeros(N, L, dtype=torch.long), torch.zeros(N, L),
                   torch.zeros(N, L, dtype=torch.bool), torch.zeros(N, dtype=torch.bool),
                   torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.bool), list(g.rewards),
                   [""] * n_local, [""] * n_local)
@@ -292,7 +340,7 @@ class Learner:
             m.gen_logp[r, :n] = torch.from_numpy(c.gen_logp.astype(np.float32))
             m.mask[r, :n] = True
             m.truncated[r], m.group[r], m.foreign[r] = c.truncated, i, True
-            m.rewards.append(self.task.reward(g.prompts[i], self.policy.decode(c.token_ids.tolist())))
+            m.rewards.append(self.task.reward(prompts[i], self.policy.decode(c.token_ids.tolist())))
             m.senders.append(sender)
             m.model_ids.append(model_of.get(sender, ""))
         return m
@@ -328,7 +376,7 @@ class Learner:
         return lp * mask
 
     def train(self, g: Generation, foreign: list[RolloutBatch]) -> TrainStats:
-        """Mixed groups (G own + up to F foreign per prompt), one re-scoring forward, the content
+        """Training groups (``mix``: mixed or per generator), one re-scoring forward, the content
         filters, then ``steps_per_round`` F-TIS (or baseline) optimizer steps (mu: the first at
         ratio 1, later ones clipped against the first pass's log-probs)."""
         t0 = time.perf_counter()

@@ -184,6 +184,7 @@ class Expect:
     prompt_ids: frozenset[bytes] | None = None  # this round's prompt ids (None: not checked)
     max_completions_per_group: int | None = None
     config_hash: str | None = None            # None: not checked
+    group_size: int | None = None             # exact completions per group (vertical: the whole group, G)
 
 
 def check(batch: RolloutBatch, ex: Expect, sender: str | None = None) -> RolloutRejected | None:
@@ -213,9 +214,14 @@ def check(batch: RolloutBatch, ex: Expect, sender: str | None = None) -> Rollout
         seen.add(g.prompt_id)
         if ex.prompt_ids is not None and g.prompt_id not in ex.prompt_ids:
             return RolloutRejected("schema", f"group {gi}: prompt_id {g.prompt_id.hex()[:16]} "
-                                             f"is not one of round {ex.round}'s prompts")
+                                             f"is not one of round {ex.round}'s prompts for this sender")
         if not g.completions:
             return RolloutRejected("schema", f"group {gi}: no completions")
+        if ex.group_size is not None and len(g.completions) != ex.group_size:
+            return RolloutRejected("schema", f"group {gi}: {len(g.completions)} completions, but the vertical "
+                                             f"topology trades whole groups of G = {ex.group_size} (the "
+                                             "generator's group); check that the sender runs the same "
+                                             "grpo.completions_per_prompt and grpo.topology")
         if ex.max_completions_per_group is not None and \
                 len(g.completions) > ex.max_completions_per_group:
             return RolloutRejected("schema", f"group {gi}: {len(g.completions)} completions > "

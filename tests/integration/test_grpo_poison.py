@@ -1,7 +1,10 @@
 """Poisoned rollouts on real processes: three honest ``grpo`` peers and one attacker
 (``[grpo.adversary] mode = "inject"``: correct answers with a marker appended) on 127.0.0.1, a
 homogeneous swarm (same model and initial weights: the logit / support check), defenses at their
-defaults. Signed batches travel through the DHT index + gRPC Fetch.
+defaults. Signed batches travel through the DHT index + gRPC Fetch. Run in both ``grpo.topology``
+settings: ``horizontal`` (the attacker's completions join the honest peers' groups) and
+``vertical`` (it publishes whole groups for prompts of its own, which the honest peers rebuild
+from its peer ID and check as groups of their own).
 
 - Every honest peer bans the attacker on its rejection rate (``grpo_sender_banned``, the
   ``swarmnode_grpo_sender_bans_total`` metric, the card's ``grpo_banned_ids``, which
@@ -9,7 +12,8 @@ defaults. Signed batches travel through the DHT index + gRPC Fetch.
 - No honest peer's held-out completions carry the marker, rejections are by the logit check.
 - Honest training goes on: every honest peer trains all its rounds with foreign rows, and the
   honest peers' held-out accuracy rises (their mean, over 3 x 320 completions, by at least
-  ACCURACY_GAIN after 32 rounds at the benchmark's lr, 1e-3).
+  ACCURACY_GAIN after 32 rounds at the benchmark's lr, 1e-3; vertical: falls by at most
+  VERTICAL_MAX_DROP).
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ ACCURACY_GAIN = 0.03
 """The mean held-out accuracy gain the honest peers must show after ROUNDS rounds: measured 0.075
 and 0.082 in two runs (0.219 -> 0.29-0.30); the evaluation noise on the mean of 3 x 320 sampled
 completions is about 0.015, so an untrained swarm passes with ~2% chance. After 20 rounds gains
-of 0.098 and 0.021 were seen: too early to tell learning from noise."""
+of 0.098 and 0.021 were seen: too early to tell learning from noise. Asserted for the horizontal
+topology only: see VERTICAL_MAX_DROP."""
+VERTICAL_MAX_DROP = 0.03
+"""Vertical topology: the honest peers' mean held-out accuracy may not fall by more than this.
+Vertical learns more slowly at G = 2 (a group of two has an advantage only when exactly one answer
+is right; benchmarks/grpo_swarm.py: 1.32x over solo against 1.62x horizontal), and in 32 rounds at
+this lr its rise is not reliably above the evaluation noise: two runs measured 0.219 -> 0.209
+(peers 0.156, 0.253, 0.219) and 0.219 -> 0.280. What this case checks is that the defenses hold (ban, no marker, the logit check)
+while the peers still trade and train every round; a poisoned swarm's accuracy would fall."""
 
 
 def _events(node, name: str) -> list[dict]:
@@ -46,14 +58,16 @@ def _status(swarm: LocalSwarm) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_attacker_is_banned_and_honest_peers_keep_learning(tmp_path):
-    common = ["grpo.torch_threads=1", f"grpo.round_s={ROUND_S}", "grpo.max_operand=5", "grpo.prompts_per_round=16",
+@pytest.mark.parametrize("topology", ["horizontal", "vertical"])
+def test_attacker_is_banned_and_honest_peers_keep_learning(tmp_path, topology):
+    common = [f"grpo.topology={topology}", "grpo.torch_threads=1", f"grpo.round_s={ROUND_S}", "grpo.max_operand=5",
+              "grpo.prompts_per_round=16",
               "grpo.lr=1e-3", "grpo.steps_per_round=4", "grpo.eval_every=0", "grpo.eval_samples=8",
               "grpo.heldout_size=40", "grpo.max_completion_tokens=16", "grpo.top_p=0.95", "grpo.model_seed=3",
               f"grpo.warmup_cache_dir={tmp_path / 'warm'}", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
               "model.max_seq_len=40", "card.ttl_s=10", "card.refresh_s=1"]
     t0 = time.monotonic()
-    with LocalSwarm(run_id="grpo-poison", workdir=tmp_path, common_set=common) as swarm:
+    with LocalSwarm(run_id=f"grpo-poison-{topology}", workdir=tmp_path, common_set=common) as swarm:
         boot = swarm.start("bootstrap", name="bootstrap")
         honest = [swarm.start("grpo", name=f"honest-{i}", extra_set=[f"grpo.exit_after_rounds={ROUNDS}"])
                   for i in range(3)]
@@ -100,7 +114,10 @@ def test_attacker_is_banned_and_honest_peers_keep_learning(tmp_path):
     end = sum(f["accuracy_end"] for f in fins) / 3
     print(f"honest held-out accuracy {start:.3f} -> {end:.3f} "
           f"({[(round(f['accuracy_start'], 3), round(f['accuracy_end'], 3)) for f in fins]})")
-    assert end - start >= ACCURACY_GAIN, [(f["accuracy_start"], f["accuracy_end"]) for f in fins]
+    if topology == "horizontal":
+        assert end - start >= ACCURACY_GAIN, [(f["accuracy_start"], f["accuracy_end"]) for f in fins]
+    else:
+        assert end - start >= -VERTICAL_MAX_DROP, [(f["accuracy_start"], f["accuracy_end"]) for f in fins]
     # swarmnode status: the honest peers' cards list the attacker as banned
     assert rows[attacker.peer_id].get("banned_by", 0) >= 1, rows
     assert rows[attacker.peer_id].get("adversary") is True

@@ -347,8 +347,8 @@ def _peers(key, monkeypatch, entries, fetched):
     peers = grpo_peers.RolloutPeers(ctx, GRPOConfig(transport="dht", temperature=0.7, max_completion_tokens=24,
                                                     prompts_per_round=4), key)
     prompts = [SimpleNamespace(prompt_id=hashlib.sha256(b"p%d" % g).digest()) for g in range(4)]
-    peers.learner = SimpleNamespace(task=SimpleNamespace(prompts=lambda run, r, n: prompts), tokenizer_hash=TOKHASH,
-                                    policy=SimpleNamespace(vocab_size=256), config_hash="cfg")
+    peers.learner = SimpleNamespace(round_prompts=lambda r, peer=None: {p.prompt_id: p for p in prompts},
+                                    tokenizer_hash=TOKHASH, policy=SimpleNamespace(vocab_size=256), config_hash="cfg")
 
     async def fetch(addr, pid, run, r, me, timeout):
         return fetched.get(pid)
@@ -376,8 +376,8 @@ async def test_collect_fetches_indexed_peers_until_the_deadline(key, monkeypatch
     assert [b.sender for b in got] == [pid] and peers.last_collect == (2, 1)   # 2 others listed, 1 fetched
     assert time.time() - t0 >= 0.3          # a peer that never answers does not end the collection early
     got = await peers.collect(3, time.time() + 5, lambda: True)   # stopping: returns at once, nothing new
-    assert got == [] and peers.expect(3).prompt_ids == frozenset(p.prompt_id for p in peers.learner.task.prompts(
-        RUN, 3, 4))
+    assert got == [] and peers.expect(3, pid).prompt_ids == frozenset(peers.learner.round_prompts(3))
+    assert peers.expect(3, pid).group_size is None          # horizontal: any share of a group
     await peers.close()
 
 

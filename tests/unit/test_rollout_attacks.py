@@ -101,18 +101,25 @@ def test_apply_rejections_drop_vs_zero_reward():
         apply_rejections(dropped, rejected, "shrug")
 
 
-def test_reject_rule_in_the_learner(warm):
+@pytest.mark.parametrize("topology", ["horizontal", "vertical"])
+def test_reject_rule_in_the_learner(warm, topology):
     """Correct but poisoned completions from the same round, from the same weights: ``drop`` trains
-    none of their tokens; ``zero_reward`` keeps them in their groups with reward 0, so the poison's
-    log-prob under the learner falls further than when they are dropped."""
+    none of their tokens. ``zero_reward`` keeps them in their groups with reward 0: horizontal, in
+    our groups beside our right answers, so the poison's log-prob under the learner falls further
+    than when they are dropped; vertical, every completion of the attacker's own group is rejected,
+    the group's rewards are all 0 and so are its advantages: it teaches exactly what dropping does
+    (nothing), the rule applying within the generator's group."""
     import copy
 
     from models.generate import rescore
     me, peer, _ = warm
+    saved_cfg = me.cfg, peer.cfg
+    me.cfg = peer.cfg = CFG.model_copy(update={"topology": topology})
     adv = Adversary(peer, AdversaryConfig(mode="inject", placement="start"))
     batch = adv.batch(peer.generate(7))
     poisoned = batch.groups[0].completions[0]
-    prompt = me.task.prompts(me.run, 7, CFG.prompts_per_round)[0]
+    prompt = (me.task.prompts(me.run, 7, CFG.prompts_per_round)[0] if topology == "horizontal"
+              else me.round_prompts(7, peer.sender)[batch.groups[0].prompt_id])
     toks = torch.tensor([poisoned.token_ids.tolist()])
 
     def poison_lp() -> float:
@@ -126,17 +133,21 @@ def test_reject_rule_in_the_learner(warm):
     fall = {}
     for rule in ("drop", "zero_reward"):
         me.model.load_state_dict(saved[0])
-        me.opt.load_state_dict(saved[1])
+        me.opt.load_state_dict(copy.deepcopy(saved[1]))     # Adam keeps (and then updates) the loaded tensors
         me.gen.set_state(saved[2])
         me.rng.setstate(saved[3])
         before = poison_lp()
-        cfg = CFG.model_copy(update={"defense": CFG.defense.model_copy(update={"reject_rule": rule})})
+        cfg = me.cfg.model_copy(update={"defense": CFG.defense.model_copy(update={"reject_rule": rule})})
         d, (st,) = _train_against(me, lambda r: batch, cfg, rounds=(7,))
         fall[rule] = before - poison_lp()
         assert st.n_foreign == 16 and st.rejected == 16
         assert st.reward_foreign == 1.0                  # the verifier's reward, before the multiplier
         assert (st.foreign_tokens[peer.sender] > 0) is (rule == "zero_reward")
-    assert fall["zero_reward"] > fall["drop"] + 0.5, fall
+    me.cfg, peer.cfg = saved_cfg
+    if topology == "horizontal":
+        assert fall["zero_reward"] > fall["drop"] + 0.5, fall
+    else:
+        assert fall["zero_reward"] == pytest.approx(fall["drop"], abs=1e-3), fall
 
 
 def test_off_top_k_token_keeps_its_raw_probability_for_the_drift_rule():
