@@ -26,7 +26,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
@@ -48,6 +48,8 @@ COMMITS_KEPT = 16
 INCONCLUSIVE_ALERT_AFTER = 3
 """Consecutive inconclusive audits of one replica (its state raced on, a timeout) that raise the
 alert; a refused download raises it at once."""
+EPOCHS_KEPT = 16
+"""Schedule epochs whose replica counts are remembered (an audited iteration is a few epochs old at most)."""
 REFUSED = ("PERMISSION_DENIED", "UNAUTHENTICATED")
 """Statuses of a download refused by the audited node's call guard (not a race: the audit cannot run)."""
 
@@ -102,10 +104,24 @@ def commit_disagreements(scheduled: list[tuple], commits: dict[str, dict[int, st
     return out
 
 
-def match_evidence(entries: list[Entry]) -> tuple[list[tuple], str]:
+class Matched(NamedTuple):
+    """What `match_evidence` found."""
+
+    samples: list[tuple]
+    """(input it received, output it sent, gradient of that output it received, gradient it sent upstream or None)"""
+    missing: str
+    """what is missing ("" if nothing)"""
+    epoch: int | None
+    """the schedule epoch of the samples (None without evidence)"""
+    paths: tuple[int, ...] = ()
+    """the path ID of each sample"""
+
+
+def match_evidence(entries: list[Entry]) -> Matched:
     """The audited node's microbatches of the newest schedule epoch in its neighbours' evidence
     (each entry from the answering node's side): (input it received, output it sent, gradient of that output it
-    received, gradient it sent upstream or None) per path, and what is missing ("" if nothing)."""
+    received, gradient it sent upstream or None) per path, what is missing ("" if nothing), that
+    epoch (None without evidence) and the paths."""
     sent = [e.ep for e in entries if e.way == "sent" and e.kind == "fwd"]
     ep = max(sent, default=None)          # an iteration aborted by a re-plan ran again on a newer epoch
     by: dict[tuple[str, str], dict[int, Tensor]] = {}
@@ -114,11 +130,11 @@ def match_evidence(entries: list[Entry]) -> tuple[list[tuple], str]:
             by.setdefault((e.way, e.kind), {}).setdefault(e.p, e.tensor)
     xs, ys, gys, gxs = (by.get(k, {}) for k in (("sent", "fwd"), ("recv", "fwd"), ("sent", "bwd"), ("recv", "bwd")))
     if not xs:
-        return [], "no evidence of its microbatches"
+        return Matched([], "no evidence of its microbatches", ep)
     lacking = sorted(p for p in xs if p not in ys or p not in gys)
     if lacking:
-        return [], f"its neighbours kept no output or gradient of paths {lacking}"
-    return [(xs[p], ys[p], gys[p], gxs.get(p)) for p in sorted(xs)], ""
+        return Matched([], f"its neighbours kept no output or gradient of paths {lacking}", ep)
+    return Matched([(xs[p], ys[p], gys[p], gxs.get(p)) for p in sorted(xs)], "", ep, tuple(sorted(xs)))
 
 
 def refused(exc: Exception) -> bool:
@@ -146,7 +162,36 @@ class ReplicaAudits:
         self._warm = False                               # the audit modules were built ahead
         self._solo_seen: dict[int, tuple[str, int]] = {}  # stage -> (node, newest commit) at its last audit
         self._solo_first: set[str] = set()               # unreplicated nodes audited at least once
+        self._replicas: dict[int, dict[int, int]] = {}   # schedule epoch -> stage -> its nodes (recent epochs)
+        self._paths: dict[int, dict[str, frozenset]] = {}  # schedule epoch -> node -> the paths it serves
         ready_details.provide("stage_audits", lambda: self._detail)
+
+    def published(self, epoch: int, replicas: dict[int, int], paths: dict[str, frozenset] | None = None) -> None:
+        """The coordinator published schedule `epoch` with `replicas[stage]` nodes per stage, node
+        `n` serving the path IDs `paths[n]`. A solo audit compares the gradient a node stepped on
+        only for an iteration it ran alone (with replicas it stepped on their mean) and with the
+        evidence of every one of its paths (a neighbour that died since took its side of a path
+        with it: a gradient recomputed from fewer microbatches points elsewhere)."""
+        self._replicas[epoch] = dict(replicas)
+        self._paths[epoch] = dict(paths or {})
+        for old in [e for e in self._replicas if e <= epoch - EPOCHS_KEPT]:
+            del self._replicas[old]
+            self._paths.pop(old, None)
+
+    def ran_alone(self, stage: int, epoch: int | None) -> bool:
+        """Was the node `stage`'s only one on schedule `epoch` (False when that epoch is unknown)?"""
+        return epoch is not None and self._replicas.get(epoch, {}).get(stage) == 1
+
+    def step_checkable(self, stage: int, peer: str, epoch: int | None, seen: set[int]) -> str:
+        """"" when the step of `peer` (stage `stage`) on `epoch` can be compared with the gradient
+        recomputed from the evidence of paths `seen`; otherwise why not."""
+        if not self.ran_alone(stage, epoch):
+            return f"epoch {epoch}: it had replicas, so it stepped on their mean" if epoch in self._replicas else \
+                f"epoch {epoch} is no longer remembered"
+        served = self._paths.get(epoch, {}).get(peer)
+        if served is None or set(served) != set(seen):
+            return f"epoch {epoch}: evidence of paths {sorted(seen)} of its {sorted(served or ())}"
+        return ""
 
     def note(self, views: list[CardView], members: list[tuple], scheduled: list[tuple]) -> None:
         """Remember every live node's published commit; audit a stage whose replicas disagree, and
@@ -336,13 +381,15 @@ class ReplicaAudits:
                 "update_drift"
         if self.spec.module is None:
             return True, f"step {t} replays ({res:.2g} lr)", t, "update_drift"
-        samples, missing = match_evidence(evidence)
+        samples, missing, ep, paths = match_evidence(evidence)
         if missing:
             return True, f"step {t} replays ({res:.2g} lr); outputs not checked: {missing}", t, "stage_replay"
-        stepped = step_gradient(opt0, opt, list(before), self.spec.betas[0])
+        unchecked = self.step_checkable(stage, m[0], ep, set(paths))
+        stepped = None if unchecked else step_gradient(opt0, opt, list(before), self.spec.betas[0])
         t1 = time.monotonic()
         ok, why = await asyncio.to_thread(replay_outputs, self.spec.module(stage), before, samples, stepped)
-        why = f"{why}; downloads {t1 - t0:.2f} s, recomputation {time.monotonic() - t1:.2f} s"
+        why = f"{why}; downloads {t1 - t0:.2f} s, recomputation {time.monotonic() - t1:.2f} s" + \
+            (f"; its step not compared ({unchecked})" if unchecked else "")
         if ok is False:
             return False, f"iteration {t - 1}: {why}", t - 1, "stage_replay"
         return True, f"step {t} replays ({res:.2g} lr); iteration {t - 1}: {why}", t, "stage_replay"
@@ -413,5 +460,5 @@ class ReplicaAudits:
             self._publish()
 
 
-__all__ = ["COMMITS_KEPT", "INCONCLUSIVE_ALERT_AFTER", "ReplicaAudits", "StageAuditSpec", "commit_disagreements",
-           "match_evidence", "parse_commit", "parse_commits", "refused"]
+__all__ = ["COMMITS_KEPT", "EPOCHS_KEPT", "INCONCLUSIVE_ALERT_AFTER", "ReplicaAudits", "StageAuditSpec", "commit_disagreements",
+           "Matched", "match_evidence", "parse_commit", "parse_commits", "refused"]

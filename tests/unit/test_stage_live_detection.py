@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from models.stages import build_stage
 from pipeline.live_attacks import LiveAttack
 from pipeline.nonfinite_watch import NonfiniteWatch, first_producers
-from pipeline.replica_audits import match_evidence
+from pipeline.replica_audits import EPOCHS_KEPT, ReplicaAudits, match_evidence
 from pipeline.stage_audit import FORWARD_RTOL, replay_outputs, step_gradient
 from pipeline.stage_evidence import Entry, EvidenceLog, parse_nonfinite
 from pipeline.stage_msgs import Out
@@ -89,8 +89,8 @@ def test_match_evidence_pairs_inputs_outputs_and_gradients_by_path():
     t = torch.zeros(1, 2, 3)
     es = [Entry(5, "sent", "fwd", 0, 1, S1, t), Entry(5, "recv", "fwd", 0, 2, S0, t + 1),
           Entry(5, "sent", "bwd", 0, 1, S0, t + 2), Entry(5, "recv", "bwd", 0, 0, S1, t + 3)]
-    samples, missing = match_evidence(es)
-    assert missing == "" and len(samples) == 1 and float(samples[0][3].sum()) == 0 + 3 * 6
+    samples, missing, ep, paths = match_evidence(es)
+    assert missing == "" and ep == 0 and paths == (0,) and len(samples) == 1 and float(samples[0][3].sum()) == 0 + 3 * 6
     assert match_evidence(es[:2])[1].startswith("its neighbours kept no output")
     assert match_evidence([])[1] == "no evidence of its microbatches"
 
@@ -186,5 +186,26 @@ def test_match_evidence_uses_the_newest_epoch_of_an_aborted_and_restarted_iterat
     old = [Entry(5, "sent", "fwd", 0, 1, S1, t + 9, 1)]                  # the aborted attempt: no output came back
     new = [Entry(5, "sent", "fwd", 0, 1, S1, t, 2), Entry(5, "recv", "fwd", 0, 2, S0, t + 1, 2),
            Entry(5, "sent", "bwd", 0, 1, S0, t + 2, 2)]
-    samples, missing = match_evidence(old + new)
-    assert missing == "" and float(samples[0][0].sum()) == 0 and samples[0][3] is None
+    samples, missing, ep, _ = match_evidence(old + new)
+    assert missing == "" and ep == 2 and float(samples[0][0].sum()) == 0 and samples[0][3] is None
+
+
+def test_a_solo_audit_compares_the_step_only_for_an_epoch_the_node_ran_alone():
+    """Found on real processes: right after its replica was quarantined, the survivor is audited
+    as an unreplicated stage, but the audited iteration ran with two replicas, whose averaged
+    gradient it stepped on (cosine 0.886 with its own two microbatches): no step comparison then."""
+    audits = ReplicaAudits.__new__(ReplicaAudits)
+    audits._replicas, audits._paths = {}, {}
+    audits.published(3, {0: 2, 1: 2, 2: 2}, {"a": frozenset({0, 1})})
+    audits.published(4, {0: 2, 1: 1, 2: 2}, {"a": frozenset({0, 1, 2, 3})})
+    assert not audits.ran_alone(1, 3) and audits.ran_alone(1, 4) and not audits.ran_alone(2, 4)
+    assert not audits.ran_alone(1, None) and not audits.ran_alone(1, 99)
+    assert "had replicas" in audits.step_checkable(1, "a", 3, {0, 1})
+    assert audits.step_checkable(1, "a", 4, {0, 1, 2, 3}) == ""
+    # found too: a replica of the next stage was killed, and with it the evidence of the one path
+    # through it; a gradient recomputed from the other microbatch had cosine 0.895
+    assert "evidence of paths [0, 1, 3] of its [0, 1, 2, 3]" in audits.step_checkable(1, "a", 4, {0, 1, 3})
+    assert audits.step_checkable(1, "b", 4, {0}) != ""
+    audits.published(4 + EPOCHS_KEPT, {1: 1})
+    assert 4 not in audits._replicas and audits.ran_alone(1, 4 + EPOCHS_KEPT)
+    assert "no longer remembered" in audits.step_checkable(1, "a", 4, {0, 1, 2, 3})
