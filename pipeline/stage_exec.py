@@ -4,14 +4,13 @@ Owns the per-iteration state of one node: the memory window (at most `memory` mi
 flight, later forwards deferred), source routing by (path ID, hop) against the iteration's
 schedule, the predecessor each gradient goes back to, visit counts, the end-of-iteration
 barrier, the replica gradient exchange (visit-normalised: the stage gradient is the mean over
-the microbatches that visited the stage, whichever replica they visited) and the single
-clipped optimizer step per iteration; on stage-0 nodes also the data, embedding, head and loss.
-It keeps a record per step (`records`: norms before/after clipping, visits, weight hash) and
-serves a consistent snapshot of weights + optimizer state (`snapshot`). Validation is
-pipeline/stage_eval.py; messages and tensor checks pipeline/stage_msgs.py. Torch only:
-messages come in as `Msg` and go out as `Out`; pipeline/stage_transport.py moves them. Bad
-input raises `BadInput` (answered with an error by the caller); stale, duplicate or
-unroutable messages are dropped and counted in `dropped`.
+the microbatches that visited the stage, whichever replica they visited) and the single clipped
+optimizer step per iteration; on stage-0 nodes also the data, embedding, head and loss.
+It keeps a record per step (`records`: norms before/after clipping, visits, weight hash) and serves
+a consistent snapshot of weights + optimizer state (`snapshot`). Validation is pipeline/stage_eval.py;
+messages and tensor checks pipeline/stage_msgs.py. Torch only: messages come in as `Msg` and go out
+as `Out`; pipeline/stage_transport.py moves them. Bad input raises `BadInput` (answered with an
+error by the caller); stale, duplicate or unroutable messages are dropped and counted in `dropped`.
 
 Message kinds (meta values are ints; `it` iteration, `ep` schedule epoch):
 - ``fwd``  activation; `p` path ID, `h` the receiver's hop (len(path) = back at the origin)
@@ -24,7 +23,6 @@ Message kinds (meta values are ints; `it` iteration, `ep` schedule epoch):
 
 `fwd`, `bwd`, `eoi` and `grad` also carry `pe`, the epoch the sender's previous iteration ran on:
 a rebuilt stage tells from it whether the pipeline stepped its iteration without it (`missed`).
-
 Messages of a later iteration are kept until this node gets there; of an earlier one dropped.
 
 A newer schedule that drops a node of the running iteration's schedule (a lost stage or
@@ -33,9 +31,8 @@ replica; CheckFree, docs/pipeline.md, 'CheckFree recovery', in-flight iteration)
 deferred forwards, end-of-iteration marks and replica gradients are dropped and the gradients
 zeroed; no stage has stepped on it, so every node still holds W(t), and the origins restart it on
 the new epoch (an `Aborted` event). Messages of older epochs are dropped from then on.
-Replicas exchange whole flat gradients and sum them in ascending peer-ID order
-(node/averaging.py), so every replica of a stage takes bitwise the same step.
-"""
+Replicas exchange whole flat gradients and sum them in ascending peer-ID order (node/averaging.py),
+so every replica of a stage takes bitwise the same step."""
 
 from __future__ import annotations
 
