@@ -105,14 +105,15 @@ class PairExchange:
 
 
 async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
-               charge_to: str | None) -> tuple[ExchangeResult, TensorRejected | None]:
+               charge_to: str | None, sent: list[int] | None = None) -> tuple[ExchangeResult, TensorRejected | None]:
     """Both sides of a matched pair run this on their end of the stream: send our tensors while
     reading the partner's, check them against ours (the bounds are symmetric: the partner
     reaches the same verdict), take the ordered mean, send "done", and count the round as
     averaged only once the partner's "done" arrives. Returns the result and, when we rejected
     the partner's tensors, why (counted, and ``charge_to`` charged: pass only a peer known to
-    have sent them)."""
-    sent, recv, t0 = [0], 0, time.perf_counter()
+    have sent them). ``sent[0]`` (when given) counts our payload bytes as they go out, so a
+    caller whose swap is cancelled still knows what it sent."""
+    sent, recv, t0 = [0] if sent is None else sent, 0, time.perf_counter()
     sender = task(link.send(stream, st.tensors, sent))
     try:
         async with asyncio.timeout(max(0.0, remaining(st.deadline))):

@@ -128,15 +128,15 @@ class NoLoCoServicer:
 
     async def _serve_pair(self, stream: TensorStream) -> None:
         """The callee's end of a pair: ``swap``, then hand the result to the waiting round."""
-        st, pid, res, bad = self.link.state, stream.peer.sender, None, None
+        st, pid, res, bad, sent = self.link.state, stream.peer.sender, None, None, [0]
         if st is None or st.matched != pid:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "other_round", "this pair's round is over")
         try:
-            res, bad = await swap(self.link, stream, st, pid, verified_peer())
+            res, bad = await swap(self.link, stream, st, pid, verified_peer(), sent)
         finally:
             if res is None:  # cancelled: the stream refused a frame, or the caller went away
                 why = stream.error.reason if stream.rejected.is_set() and stream.error else "partner_error"
-                res = C.ExchangeResult(None, 1, [pid], C.FAILED, why)
+                res = C.ExchangeResult(None, 1, [pid], C.FAILED, why, sent[0])
             if not st.incoming.done():
                 st.incoming.set_result(res)
         if bad is not None:

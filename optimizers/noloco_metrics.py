@@ -59,6 +59,9 @@ CLIP_CHARGES = Counter("swarmnode_outer_partners_charged_clipped_total",
                        "Partners charged (skipped as partners) for repeated hard clips (noloco.robust_strikes).",
                        registry=REGISTRY)
 UPDATE_NORM = Gauge("swarmnode_outer_update_norm", "L2 norm of the latest outer update of phi.", registry=REGISTRY)
+LEAD_STEPS = Counter("swarmnode_outer_lead_steps_total",
+                     "Inner steps dropped from a next phase after being left out of a round's pairs, to arrive "
+                     "before the peers due at the next label (NoLoCo).", registry=REGISTRY)
 
 # Every outcome exists from the start (at 0): rate() and increase() then see the first failed
 # round, and the dashboards and alerts (deploy/) show 0 instead of "no data".

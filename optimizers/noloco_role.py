@@ -51,7 +51,7 @@ from optimizers.noloco_engine import NoLoCoEngine, Placement
 from optimizers.noloco_settings import NoLoCoCard, RoleSettings, WorkerConfig
 from optimizers.robust import PartnerClip
 from optimizers.roster import ROSTER
-from optimizers.waiting import FINISHING, PeerPlan, someone_can_meet, steps_to_wait, wait_bound
+from optimizers.waiting import FINISHING, PeerPlan, lead_steps, someone_can_meet, steps_to_wait, wait_bound
 
 log = logging.getLogger("swarmnode.noloco")
 
@@ -62,6 +62,9 @@ MAX_PAIR_TRIES = 4
 the worker waits on there); the wait bound covers all of them together."""
 WATCH_POLL_S = 0.25
 """Seconds between card reads while waiting for a partner (one DHT read per waiting worker)."""
+LEFT_OUT = ("missed", "nobody", "wait_bound")
+"""Solo reasons after which the worker checks whether it arrived after the peers of its next
+label (``_lead_after_missed``)."""
 
 
 def peer_plan(view: CardView) -> PeerPlan:
@@ -102,6 +105,7 @@ class NoLoCoRole(TrainingRole):
             on_clip=self._on_clip)
         self.tally = M.Tally()
         self._bad_rounds = 0  # outer steps refused in a row
+        self._lead = 0        # inner steps dropped from the next phase (left out of a round's pairs)
         self._clipped_hard = 0  # partner contributions clipped hard (the card's ``clipped_hard``)
 
     def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
@@ -242,7 +246,9 @@ class NoLoCoRole(TrainingRole):
     async def one_round(self) -> None:
         eng, t_round = self.engine, time.monotonic()
         # steps computed while the last exchange ran (past its outer step) belong to this round
-        h = self._within_exit(max(1, self.cfg.inner_steps - (eng.step - eng.round_start_step)), at_least=1)
+        h = self._within_exit(max(1, self.cfg.inner_steps - (eng.step - eng.round_start_step) - self._lead),
+                              at_least=1)
+        self._lead = 0
         step0, t0 = eng.step, time.perf_counter()
         loss, views, t_outer = await self._steps_then_views(h, self.cfg.outer == "noloco")
         # from t_outer (the end of the compute, before any wait for the card read) the worker
@@ -289,6 +295,8 @@ class NoLoCoRole(TrainingRole):
         # once: peers waiting at our old label see that we paired elsewhere, and plan on our next time
         next_at = time.time() + (self.tally.step_s or 0.0) * max(1, self.cfg.inner_steps - overlapped) + \
             (self.tally.eval_s if eval_due else 0.0)
+        if res.outcome == "solo" and res.reason in LEFT_OUT and self.cfg.outer == "noloco":
+            next_at -= await self._lead_after_missed(next_at, overlapped, res.reason == "missed")
         blocked = res.blocked_s / max(1e-6, time.monotonic() - t_round)
         why = f" ({res.reason})" if res.reason else ""
         self.report("averaging_round_done",
@@ -361,6 +369,19 @@ class NoLoCoRole(TrainingRole):
         """Inner steps the worker may compute while its exchange is in flight."""
         return self._within_exit(math.ceil(self.cfg.overlap_fraction * self.cfg.inner_steps))
 
+    async def _lead_after_missed(self, next_at: float, overlapped: int, missed: bool) -> float:
+        """Left out of this round's pairs: drop inner steps from the next phase so that it arrives
+        before the peers due at its next label (``waiting.lead_steps``) -> the seconds dropped."""
+        views = await self._read_views(timeout=1.0)
+        step_s = self.tally.step_s
+        if views is None or not step_s:
+            return 0.0
+        room = max(0, self.cfg.inner_steps - overlapped - 1) // 2
+        self._lead = lead_steps(self._plans(views), self.engine.round, next_at, step_s, room, missed=missed)
+        if self._lead:
+            M.LEAD_STEPS.inc(self._lead)
+        return self._lead * step_s
+
     def _steps_until_partner(self, views: list | None, rnd: int, room: int) -> int:
         """Inner steps to add to this round instead of a solo step (``compute_while_waiting``)."""
         if views is None or self.cfg.outer != "noloco" or not self.cfg.compute_while_waiting:
@@ -431,9 +452,14 @@ class NoLoCoRole(TrainingRole):
                 continue
             frontier = self._frontier(views) if self._catches_up else None
             if frontier is not None and frontier > rnd:
-                # peers paired at our label and moved on: whoever arrives next goes to their label
-                later.append(frontier)
-                await self.exchange.stop_waiting(rnd, "relabel")
+                # peers paired at our label and moved on: whoever arrives next goes to their label;
+                # when none can meet us there within the bound, this label's solo step keeps ours
+                # in line with theirs (relabelled and alone, it ran one label ahead for good)
+                if someone_can_meet(self._plans(views), frontier, by=end_wall):
+                    later.append(frontier)
+                    await self.exchange.stop_waiting(rnd, "relabel")
+                else:
+                    await self.exchange.stop_waiting(rnd, "missed")
                 return
             if not someone_can_meet(self._plans(views), rnd, by=end_wall):
                 await self.exchange.stop_waiting(rnd, "nobody")

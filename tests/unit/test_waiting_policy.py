@@ -10,7 +10,8 @@ import pytest
 from node.card import CardView, NodeCard
 from optimizers.config import NoLoCoConfig
 from optimizers.noloco_role import peer_plan
-from optimizers.waiting import FINISHING, NEXT_EXCHANGE_AT, PeerPlan, someone_can_meet, steps_to_wait, wait_bound
+from optimizers.waiting import (FINISHING, NEXT_EXCHANGE_AT, PeerPlan, lead_steps, someone_can_meet, steps_to_wait,
+                               wait_bound)
 
 
 def view(peer, **details) -> PeerPlan:
@@ -110,3 +111,21 @@ def test_peer_plan_reads_only_well_formed_details():
         assert PeerPlan.from_details({FINISHING: "yes", NEXT_EXCHANGE_AT: junk}, None) == PeerPlan(None, False, None)
     assert view("a", round=2 ** 80).round is None   # out of the card range: read as no round
     assert view("a", round=4, **{NEXT_EXCHANGE_AT: 7}).next_exchange_at == 7.0
+
+
+def test_a_worker_left_out_arrives_one_step_before_the_peers_of_its_next_label():
+    """The joiner of tests/integration/test_robust_gossip.py, 0.17 s (1.7 steps of 0.1 s) after a
+    lock-stepped pair, found them matched 200 rounds in a row; it now drops 3 steps and is
+    there 0.13 s before them."""
+    pair = [PeerPlan(223, next_exchange_at=100.0), PeerPlan(223, next_exchange_at=100.02)]
+    assert lead_steps(pair, 223, own_at=100.17, step_s=0.1, max_steps=4) == 3
+    assert lead_steps(pair, 223, own_at=100.0, step_s=0.1, max_steps=4) == 1      # a tie is a race: go first
+    assert lead_steps(pair, 223, own_at=99.9, step_s=0.1, max_steps=4) == 0       # early already: it waits
+    # the peers paired at its label while it waited: it came late whatever the cards said
+    assert lead_steps(pair, 223, own_at=99.9, step_s=0.1, max_steps=4, missed=True) == 1
+    assert lead_steps(pair, 224, own_at=99.9, step_s=0.1, max_steps=4, missed=True) == 0
+    assert lead_steps(pair, 224, own_at=100.17, step_s=0.1, max_steps=4) == 0     # nobody due at its label
+    assert lead_steps(pair, 223, own_at=100.5, step_s=0.1, max_steps=4) == 0      # a phase off: not by dropping
+    assert lead_steps([PeerPlan(223, finishing=True, next_exchange_at=100.0)], 223, 100.17, 0.1, 4) == 0
+    assert lead_steps(pair, 223, own_at=100.17, step_s=None, max_steps=4) == 0
+    assert lead_steps(pair, 223, own_at=100.17, step_s=0.1, max_steps=0) == 0
