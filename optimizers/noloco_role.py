@@ -269,7 +269,7 @@ class NoLoCoRole(TrainingRole):
         # steps computed while the last exchange ran (past its outer step) belong to this round
         h = self._within_exit(max(1, self.cfg.inner_steps - (eng.step - eng.round_start_step) - self._lead),
                               at_least=1)
-        self._lead = 0
+        led, self._lead = self._lead, 0
         step0, t0 = eng.step, time.perf_counter()
         loss, views, t_outer = await self._steps_then_views(h, self.cfg.outer == "noloco")
         # from t_outer (the end of the compute, before any wait for the card read) the worker
@@ -280,7 +280,8 @@ class NoLoCoRole(TrainingRole):
             return
         rnd = self._label(views)
         room = self._within_exit(self.cfg.inner_steps + self.cfg.inner_steps // 2)  # at most half a phase more
-        extra = self._steps_until_partner(views, rnd, room)
+        # a phase shortened to arrive before the peers is not lengthened again to meet them exactly
+        extra = 0 if led else self._steps_until_partner(views, rnd, room)
         if extra:  # keep computing while waiting: nobody can meet us now, a peer is due soon
             emit(log, "compute_while_waiting", "round {round}: no partner within the wait bound; {extra_steps} more "
                  "inner steps until one is due", round=rnd, extra_steps=extra)

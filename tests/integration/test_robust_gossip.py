@@ -1,6 +1,7 @@
 """Robust averaging (issue 32) on real processes: a joiner that downloads the state from its peers
-is about one own-move from them: it is not clipped hard and not charged, nor does it clip anyone
-hard (the clip must not turn on honest newcomers).
+is about one own-move from them: it pairs within a few rounds, is never charged and charges
+nobody, and is clipped hard fewer times than a charge takes (the clip must not turn on honest
+newcomers).
 
 The attackers themselves are replayed elsewhere: the recipe attacker on a live swarm is clipped
 and charged in tests/integration/test_attacks.py (in-bound poison); the loss under the recipe
@@ -56,8 +57,11 @@ def test_joiner_with_downloaded_state_is_not_clipped(tmp_path):
         below_one = {w.name: metric(w, "swarmnode_outer_partner_clip_factor_bucket", le="0.99") for w in nodes}
         hard = {w.name: metric(w, "swarmnode_outer_partners_clipped_total", severity="hard") for w in nodes}
         assert judged[joiner.name] >= 4 and sum(judged.values()) >= 12, judged
-        # not clipped hard, never charged; a few soft clips (factor 0.5-1) were seen in 1 of 2 runs
-        assert not any(hard.values()), (hard, below_one, judged)
+        # never charged. A joiner that pairs at once is not clipped; one that missed its first pairs
+        # trained alone meanwhile (7 solo rounds once on a loaded CI box: distance 9.8 against a
+        # radius of 3.5-3.9) and is clipped hard once or twice, on both sides, while each exchange
+        # halves the distance: fewer than the 3 strikes that charge a partner (robust_strikes)
+        assert max(hard.values()) < 3, (hard, below_one, judged)
         assert sum(below_one.values()) <= 0.25 * sum(judged.values()), (below_one, judged)
         for w in nodes:
             assert '"reason": "clipped"' not in w.log_text(), w.name
