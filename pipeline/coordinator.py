@@ -316,9 +316,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         for st, n in stage_replicas(members, self.cfg.stages).items():
             self.peak[st] = max(self.peak.get(st, 0), n)
         if self.audits is not None:
-            self.audits.published(epoch, stage_replicas(members, self.cfg.stages),
-                                  {m[0]: frozenset(i for i, p in enumerate(sched.paths) if n in p[1:])
-                                   for n, m in enumerate(members)})
+            self.audits.published(epoch, {m[0]: (m[1], frozenset(i for i, p in enumerate(sched.paths) if n in p[1:]))
+                                          for n, m in enumerate(members)})
         async with self._changed:
             self.epoch = epoch
             self.replies[epoch] = reply

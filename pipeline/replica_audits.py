@@ -162,35 +162,30 @@ class ReplicaAudits:
         self._warm = False                               # the audit modules were built ahead
         self._solo_seen: dict[int, tuple[str, int]] = {}  # stage -> (node, newest commit) at its last audit
         self._solo_first: set[str] = set()               # unreplicated nodes audited at least once
-        self._replicas: dict[int, dict[int, int]] = {}   # schedule epoch -> stage -> its nodes (recent epochs)
-        self._paths: dict[int, dict[str, frozenset]] = {}  # schedule epoch -> node -> the paths it serves
+        self._served: dict[int, dict[str, tuple[int, frozenset]]] = {}  # epoch -> node -> (stage, its paths)
         ready_details.provide("stage_audits", lambda: self._detail)
 
-    def published(self, epoch: int, replicas: dict[int, int], paths: dict[str, frozenset] | None = None) -> None:
-        """The coordinator published schedule `epoch` with `replicas[stage]` nodes per stage, node
-        `n` serving the path IDs `paths[n]`. A solo audit compares the gradient a node stepped on
-        only for an iteration it ran alone (with replicas it stepped on their mean) and with the
-        evidence of every one of its paths (a neighbour that died since took its side of a path
-        with it: a gradient recomputed from fewer microbatches points elsewhere)."""
-        self._replicas[epoch] = dict(replicas)
-        self._paths[epoch] = dict(paths or {})
-        for old in [e for e in self._replicas if e <= epoch - EPOCHS_KEPT]:
-            del self._replicas[old]
-            self._paths.pop(old, None)
-
-    def ran_alone(self, stage: int, epoch: int | None) -> bool:
-        """Was the node `stage`'s only one on schedule `epoch` (False when that epoch is unknown)?"""
-        return epoch is not None and self._replicas.get(epoch, {}).get(stage) == 1
+    def published(self, epoch: int, served: dict[str, tuple[int, frozenset]]) -> None:
+        """The coordinator published schedule `epoch`, node `n` serving stage `served[n][0]` on the
+        path IDs `served[n][1]`. A solo audit compares the gradient a node stepped on only for an
+        iteration it ran alone (with replicas it stepped on their mean) and with the evidence of
+        every one of its paths (a neighbour that died since took its side of a path with it: a
+        gradient recomputed from fewer microbatches points elsewhere)."""
+        self._served[epoch] = dict(served)
+        for old in [e for e in self._served if e <= epoch - EPOCHS_KEPT]:
+            del self._served[old]
 
     def step_checkable(self, stage: int, peer: str, epoch: int | None, seen: set[int]) -> str:
         """"" when the step of `peer` (stage `stage`) on `epoch` can be compared with the gradient
         recomputed from the evidence of paths `seen`; otherwise why not."""
-        if not self.ran_alone(stage, epoch):
-            return f"epoch {epoch}: it had replicas, so it stepped on their mean" if epoch in self._replicas else \
-                f"epoch {epoch} is no longer remembered"
-        served = self._paths.get(epoch, {}).get(peer)
-        if served is None or set(served) != set(seen):
-            return f"epoch {epoch}: evidence of paths {sorted(seen)} of its {sorted(served or ())}"
+        served = self._served.get(epoch) if epoch is not None else None
+        if served is None:
+            return f"epoch {epoch} is no longer remembered"
+        if sum(1 for st, _ in served.values() if st == stage) != 1:
+            return f"epoch {epoch}: it had replicas, so it stepped on their mean"
+        paths = served.get(peer, (stage, frozenset()))[1]
+        if set(paths) != set(seen):
+            return f"epoch {epoch}: evidence of paths {sorted(seen)} of its {sorted(paths)}"
         return ""
 
     def note(self, views: list[CardView], members: list[tuple], scheduled: list[tuple]) -> None:

@@ -195,17 +195,18 @@ def test_a_solo_audit_compares_the_step_only_for_an_epoch_the_node_ran_alone():
     as an unreplicated stage, but the audited iteration ran with two replicas, whose averaged
     gradient it stepped on (cosine 0.886 with its own two microbatches): no step comparison then."""
     audits = ReplicaAudits.__new__(ReplicaAudits)
-    audits._replicas, audits._paths = {}, {}
-    audits.published(3, {0: 2, 1: 2, 2: 2}, {"a": frozenset({0, 1})})
-    audits.published(4, {0: 2, 1: 1, 2: 2}, {"a": frozenset({0, 1, 2, 3})})
-    assert not audits.ran_alone(1, 3) and audits.ran_alone(1, 4) and not audits.ran_alone(2, 4)
-    assert not audits.ran_alone(1, None) and not audits.ran_alone(1, 99)
+    audits._served = {}
+    audits.published(3, {"a": (1, frozenset({0, 1})), "r": (1, frozenset({2, 3})), "z": (2, frozenset({0}))})
+    audits.published(4, {"a": (1, frozenset({0, 1, 2, 3})), "z": (2, frozenset({0})), "y": (2, frozenset({1}))})
     assert "had replicas" in audits.step_checkable(1, "a", 3, {0, 1})
     assert audits.step_checkable(1, "a", 4, {0, 1, 2, 3}) == ""
+    assert "had replicas" in audits.step_checkable(2, "z", 4, {0})
+    assert "no longer remembered" in audits.step_checkable(1, "a", None, {0})
+    assert "no longer remembered" in audits.step_checkable(1, "a", 99, {0})
     # found too: a replica of the next stage was killed, and with it the evidence of the one path
     # through it; a gradient recomputed from the other microbatch had cosine 0.895
     assert "evidence of paths [0, 1, 3] of its [0, 1, 2, 3]" in audits.step_checkable(1, "a", 4, {0, 1, 3})
     assert audits.step_checkable(1, "b", 4, {0}) != ""
-    audits.published(4 + EPOCHS_KEPT, {1: 1})
-    assert 4 not in audits._replicas and audits.ran_alone(1, 4 + EPOCHS_KEPT)
+    audits.published(4 + EPOCHS_KEPT, {"a": (1, frozenset({0}))})
+    assert 4 not in audits._served and audits.step_checkable(1, "a", 4 + EPOCHS_KEPT, {0}) == ""
     assert "no longer remembered" in audits.step_checkable(1, "a", 4, {0, 1, 2, 3})
