@@ -110,6 +110,7 @@ class NoLoCoRole(TrainingRole):
         self.tally = M.Tally()
         self._bad_rounds = 0  # outer steps refused in a row
         self._lead = 0        # inner steps dropped from the next phase (left out of a round's pairs)
+        self._views_seen: list | None = None  # this round's newest card read (the wait polls refresh it)
         self._clipped_hard = 0  # partner contributions clipped hard (the card's ``clipped_hard``)
 
     def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
@@ -278,6 +279,7 @@ class NoLoCoRole(TrainingRole):
             self.tally.pace(t_outer - t0, eng.step - step0)
         if self.stopping:
             return
+        self._views_seen = views
         rnd = self._label(views)
         room = self._within_exit(self.cfg.inner_steps + self.cfg.inner_steps // 2)  # at most half a phase more
         # a phase shortened to arrive before the peers is not lengthened again to meet them exactly
@@ -292,6 +294,7 @@ class NoLoCoRole(TrainingRole):
             loss, views, t_outer = await self._steps_then_views(extra, True)
             if self.stopping:
                 return
+            self._views_seen = views
             rnd = self._label(views)
         tensors = await self.compute.run(eng.outgoing)
         res, rnd, bound, waited, computing = await self._exchange(rnd, tensors, views)
@@ -318,7 +321,7 @@ class NoLoCoRole(TrainingRole):
         next_at = time.time() + (self.tally.step_s or 0.0) * max(1, self.cfg.inner_steps - overlapped) + \
             (self.tally.eval_s if eval_due else 0.0)
         if res.outcome == "solo" and res.reason in LEFT_OUT and self.cfg.outer == "noloco":
-            next_at -= await self._lead_after_missed(next_at, overlapped, res.reason == "missed")
+            next_at -= self._lead_after_missed(next_at, overlapped, res.reason == "missed")
         blocked = res.blocked_s / max(1e-6, time.monotonic() - t_round)
         why = f" ({res.reason})" if res.reason else ""
         self.report("averaging_round_done",
@@ -391,11 +394,12 @@ class NoLoCoRole(TrainingRole):
         """Inner steps the worker may compute while its exchange is in flight."""
         return self._within_exit(math.ceil(self.cfg.overlap_fraction * self.cfg.inner_steps))
 
-    async def _lead_after_missed(self, next_at: float, overlapped: int, missed: bool) -> float:
+    def _lead_after_missed(self, next_at: float, overlapped: int, missed: bool) -> float:
         """Left out of this round's pairs: drop inner steps from the next phase so that it arrives
-        before the peers due at its next label (``waiting.lead_steps``) -> the seconds dropped."""
-        views = await self._read_views(timeout=1.0)
-        step_s = self.tally.step_s
+        before the peers due at its next label (``waiting.lead_steps``) -> the seconds dropped.
+        Reads the cards the round already read (the wait's last poll: after a ``missed`` wait it
+        shows the peers at their next label), so it costs no card read of its own."""
+        step_s, views = self.tally.step_s, self._views_seen
         if views is None or not step_s:
             return 0.0
         room = max(0, self.cfg.inner_steps - overlapped - 1) // 2
@@ -472,6 +476,7 @@ class NoLoCoRole(TrainingRole):
             views = await self._read_views(timeout=max(0.1, min(2.0, end_wall - time.time())))
             if views is None:
                 continue
+            self._views_seen = views
             frontier = self._frontier(views) if self._catches_up else None
             if frontier is not None and frontier > rnd:
                 # peers paired at our label and moved on: whoever arrives next goes to their label;
