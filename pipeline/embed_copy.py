@@ -54,10 +54,13 @@ class EmbedCopy:
         return StateSnapshot({**c.meta, "holder_iteration": holder_iteration}, c.weights, None)
 
     async def refresh(self, iteration: int) -> None:
-        """Download stage 0's weights of `iteration` (or later) from a data node and keep them."""
+        """Download stage 0's weights of `iteration - 1` (or later) from a data node and keep them.
+        Stage 1 steps before the data nodes finish the same iteration, so a data node asked at
+        once still serves the previous one: waiting for `iteration` cost a 0.5 s retry, and a data
+        node lost within it (5 fast iterations later, in CI) left a copy 17 iterations old."""
         t0 = time.monotonic()
         try:
-            meta, weights, _, donor = await self.recovery.fetch(0, optimizer=False, min_iteration=iteration)
+            meta, weights, _, donor = await self.recovery.fetch(0, optimizer=False, min_iteration=max(0, iteration - 1))
         except Exception as exc:  # noqa: BLE001 - RecoveryError or a transport error: keep the older copy
             emit(log, "embed_copy_failed", "stage 0's copy not refreshed at iteration {iteration} ({error}); keeping "
                  "the copy of iteration {kept}", level=logging.WARNING, iteration=iteration, error=str(exc),

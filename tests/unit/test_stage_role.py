@@ -11,6 +11,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from node.metrics import REGISTRY
@@ -124,3 +125,20 @@ async def test_stage_1_refreshes_its_copy_first_then_every_n_iterations_one_at_a
     await asyncio.sleep(0.01)
     assert started == [1, 20]
     assert not EmbedCopy(None, None, every=0, update_card=None).due(10)   # 0 = no copy
+
+
+async def test_the_copy_takes_the_data_nodes_state_of_the_iteration_it_is_finishing():
+    """Stage 1 steps before the data node finishes the same iteration: asked after stage 1's step
+    20, a data node still at 19 is taken (waiting for 20 cost a 0.5 s retry, and a data node lost
+    within it left the copy at 10: 17 iterations old when it was needed, seen in CI)."""
+    asked: list[int] = []
+
+    class Recovery:
+        async def fetch(self, stage, *, optimizer, min_iteration=0, holder=None):
+            asked.append(min_iteration)
+            return {"iteration": "19"}, {"w": torch.zeros(2)}, None, "12D3KooWdata"
+
+    cards: list = []
+    copy = EmbedCopy(None, Recovery(), every=10, update_card=lambda card, publish: cards.append(card))
+    await copy.refresh(20)
+    assert asked == [19] and copy.copy.meta["iteration"] == 19 and cards[0].embed_copy_iter == 19
