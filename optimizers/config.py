@@ -24,6 +24,8 @@ HASHED_FIELDS: tuple[str, ...] = (
     "group_size", "seed",
 )
 _HASH_VERSION = "noloco-cfg-v1"
+COMPRESSION_FIELDS: tuple[str, ...] = ("compression", "compression_block", "compression_topk",
+                                       "compression_phi_every")
 
 # outer_momentum when the config leaves it unset, per outer form (docs/noloco.md, 'DiLoCo baseline'): NoLoCo's
 # alpha 0.5; heavy-ball DiLoCo mu 0.3 (the NoLoCo authors' baseline); Nesterov DiLoCo mu 0.9 (the
@@ -219,6 +221,33 @@ class NoLoCoConfig(BaseModel):
     (skipped as a partner, ``partner_charged`` with reason ``clipped``); one unclipped round
     resets its count, so a joiner or straggler that is pulled closer is never charged."""
 
+    # ---- compressed exchanges (docs/noloco.md, 'Compressed exchanges'; part of `cfg_hash` when on) ----
+    compression: Literal["none", "int8", "int4", "sign", "topk"] = "none"
+    """What the outer exchange sends (``optimizers/compression.py``, ``optimizers/outer_codec.py``).
+    ``"none"`` (default): the fp32 tensors, 4 bytes per parameter. Otherwise the pseudo-gradient
+    ``theta - phi`` travels compressed with error feedback (what a round did not send is added
+    to the next round's payload) and the receiver puts it on its own phi: ``"int8"`` 1 byte per
+    parameter (per-block scales; pick it when the link is the bottleneck but you want the
+    smallest change in the loss), ``"int4"`` half a byte, ``"sign"`` one bit plus a scale per
+    block (DiLoCo's best: every coordinate moves each round), ``"topk"`` the ``compression_topk``
+    largest coordinates with int8 values and int32 indices (5 bytes per kept coordinate: 0.1 B/param
+    at 2%; pick it on a home uplink). NoLoCo also sends its phi every ``compression_phi_every``-th
+    round (int8) so that replicas keep pulling together. Measured: ``benchmarks/compression.py``."""
+
+    compression_block: int = Field(128, ge=8, le=65536)
+    """Values per quantization scale (one fp32 scale per block). Smaller blocks cost more scale
+    bytes (4 / block per value) and bound the rounding error tighter around outliers."""
+
+    compression_topk: float = Field(0.02, gt=0, le=1)
+    """``compression = "topk"``: the fraction of each tensor's coordinates sent per round (at
+    least one). Raise it if the compressed run's loss trails the fp32 one; lower it to send less."""
+
+    compression_phi_every: int = Field(8, ge=1)
+    """NoLoCo with compression: phi (int8) travels on round labels divisible by this; other rounds
+    carry only the pseudo-gradient and the receiver uses its own phi in the partner's place (no
+    consensus pull that round). Lower it if ``swarmnode_replica_spread`` grows; raise it to
+    send less (it adds about 1 / N bytes per parameter)."""
+
     # ---- other ------------------------------------------------------------------------------
     seed: int = Field(0, ge=0)
     """Run seed: model init, data order and the seeded pairing permutation. Must match across
@@ -335,5 +364,7 @@ class NoLoCoConfig(BaseModel):
         Floats are hashed by their shortest round-trip repr, so 0.7 from TOML, env or Python all
         give the same digest."""
         payload = {name: getattr(self, name) for name in HASHED_FIELDS}
+        if self.compression != "none":  # peers must compress alike; uncompressed runs keep their old digest
+            payload.update({name: getattr(self, name) for name in COMPRESSION_FIELDS})
         blob = json.dumps([_HASH_VERSION, payload], sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:12]

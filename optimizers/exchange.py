@@ -35,6 +35,11 @@ pair_average (NoLoCo, k=2; no global barrier):
      in one blockwise pass that also checks finiteness (NaN/inf -> "nonfinite"), then send
      "done"; a side returns ok only after the partner's "done";
   4. anything else (refusal, stream error, digest, NaN, deadline) -> solo/failed, mean None.
+Compressed (``[noloco] compression``, a ``codec`` here and the round's ``wire`` payload from the
+  engine): the stream carries the compressed parts instead of the fp32 tensors (specs from
+  ``optimizers/outer_codec.py``); the receiver rebuilds the partner's fp32 tensors on its own
+  phi off the event loop (a malformed part: rejected "compressed"), and everything after that
+  (bounds, robust clip, mean) is as above. A DiLoCo root sends the mean back compressed.
 group_average (DiLoCo, everyone): see ``exchange_group.py``. Root = lowest peer ID in the
   roster once it has ``expected`` entries or timeout/2 passed; members stream to the root and
   read back the one mean it computed; failures -> "failed" (the role re-fetches phi).
@@ -65,6 +70,7 @@ from optimizers.exchange_group import GroupExchange
 from optimizers.exchange_link import ExchangeLink
 from optimizers.exchange_pair import PairExchange
 from optimizers.exchange_server import NoLoCoServicer, add_exchange_to_server
+from optimizers.outer_codec import OuterCodec, Outgoing
 from optimizers.robust import PartnerClip
 from optimizers.roster import RosterEntry, publish_entry, read_roster
 from protocol.channels import remaining, task
@@ -84,7 +90,8 @@ class OuterExchange:
                  max_round_skew: int = 2, poll_interval_s: float = 0.25,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
-                 robust: PartnerClip | None = None, on_clip: Callable[[float, float, bool, bool], None] | None = None):
+                 robust: PartnerClip | None = None, on_clip: Callable[[float, float, bool, bool], None] | None = None,
+                 codec: OuterCodec | None = None):
         public_key_of(peer_id)  # raises for a non-Ed25519 peer ID
         if not specs:
             raise ValueError("OuterExchange needs at least one tensor spec")
@@ -100,7 +107,7 @@ class OuterExchange:
                                  specs=checked, netem=netem, max_round_skew=max_round_skew,
                                  poll_interval_s=poll_interval_s, max_message_bytes=max_message_bytes,
                                  on_reject=on_reject, bounds=bounds, roster=self._roster,
-                                 robust=robust, on_clip=on_clip)
+                                 robust=robust, on_clip=on_clip, codec=codec)
         self._pair = PairExchange(self.link, self._roster)
         self._group = GroupExchange(self.link, self._roster)
         self._bg: set[asyncio.Task] = set()  # roster publishes finishing in the background
@@ -117,18 +124,20 @@ class OuterExchange:
         return NoLoCoServicer(self.link, self._group)
 
     async def pair_average(self, round: int, tensors: list[torch.Tensor], timeout: float,  # noqa: A002
-                           move: float = 0.0) -> ExchangeResult:
+                           move: float = 0.0, wire: Outgoing | None = None) -> ExchangeResult:
         """NoLoCo k=2: average with one random partner waiting for the same round, or go solo.
-        ``move``: ||theta - phi|| of the tensors sent (the robust clip's own scale)."""
-        t0, st, publish = await self._enter(round, "pair", tensors, timeout, move)
+        ``move``: ||theta - phi|| of the tensors sent (the robust clip's own scale). ``wire``:
+        the compressed payload of ``tensors`` (needed when the exchange has a codec)."""
+        t0, st, publish = await self._enter(round, "pair", tensors, timeout, move, wire)
         if st is None:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._pair.run(st, publish))
 
     async def group_average(self, round: int, tensors: list[torch.Tensor], timeout: float,  # noqa: A002
-                            expected: int, move: float = 0.0) -> ExchangeResult:
-        """DiLoCo: exact mean over every worker of round r (root = lowest peer ID); see module doc."""
-        t0, st, _ = await self._enter(round, "group", tensors, timeout, move)
+                            expected: int, move: float = 0.0, wire: Outgoing | None = None) -> ExchangeResult:
+        """DiLoCo: exact mean over every worker of round r (root = lowest peer ID); see module doc.
+        ``wire`` as for :meth:`pair_average`."""
+        t0, st, _ = await self._enter(round, "group", tensors, timeout, move, wire)
         if st is None:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._group.run(st, expected, timeout))
@@ -165,7 +174,8 @@ class OuterExchange:
         await self.link.close()
 
     # ------------------------------------------------------------------ round lifecycle, roster
-    async def _enter(self, round: int, mode: str, tensors, timeout: float, move: float = 0.0):  # noqa: A002
+    async def _enter(self, round: int, mode: str, tensors, timeout: float, move: float = 0.0,  # noqa: A002
+                     wire: Outgoing | None = None):
         t0, link = time.perf_counter(), self.link
         if link.state is not None:
             raise RuntimeError(f"an outer exchange (round {link.state.round}) is still running; await "
@@ -175,11 +185,13 @@ class OuterExchange:
         for t, (n, d, s) in zip(tensors, link.specs):
             if t.dtype != d or tuple(t.shape) != s:
                 raise ValueError(f"tensor {n!r} is {t.dtype}{tuple(t.shape)}, the spec says {d}{s}")
+        if (link.codec is None) != (wire is None):
+            raise ValueError("pass the round's compressed payload (wire) exactly when the exchange compresses")
         if link.closed:
             return t0, None, None
         loop = asyncio.get_running_loop()
         st = C.Round(round=int(round), mode=mode, tensors=list(tensors), deadline=loop.time() + float(timeout),
-                     move=float(move))
+                     move=float(move), wire=wire)
         st.incoming = loop.create_future()
         link.state, link.last_round = st, int(round)
         entry = RosterEntry(round=int(round), grpc_addr=link.grpc_addr, cfg_hash=link.cfg_hash,
@@ -192,6 +204,8 @@ class OuterExchange:
         return t0, st, publish
 
     def _done(self, t0: float, res: ExchangeResult) -> ExchangeResult:
+        if self.link.state is not None:
+            res.codec_s = self.link.state.codec_s
         self.link.state = None
         res.blocked_s = time.perf_counter() - t0
         if res.outcome != C.OK:

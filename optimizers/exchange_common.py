@@ -28,7 +28,7 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -111,6 +111,7 @@ class ExchangeResult:
     received_bytes: int = 0
     blocked_s: float = 0.0
     exchange_s: float = 0.0      # time spent streaming once the group was formed (0 if never)
+    codec_s: float = 0.0         # compressed: decoding partners' payloads (a DiLoCo root: + encoding the mean)
 
 
 @dataclass(eq=False)
@@ -136,6 +137,9 @@ class Round:
     received: int = 0
     roster_seen: set[str] = field(default_factory=set)  # peers our roster reads listed this round
     roster_read: asyncio.Task | None = None     # the servicer's last re-read (ExchangeLink.in_roster)
+    wire: Any = None                            # compressed payload (outer_codec.Outgoing); None: fp32
+    mean_wire: list[torch.Tensor] | None = None  # group root, compressed: the mean's parts it sends back
+    codec_s: float = 0.0                        # seconds spent decoding / encoding compressed payloads
 
 
 # ----------------------------------------------------------------------------- tensor bounds

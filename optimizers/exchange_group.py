@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -83,6 +84,10 @@ class GroupExchange:
             reason = exc.reason
             log.warning("group mean of round %d is not finite (%s); every member fails this round", st.round, reason)
             return C.ExchangeResult(None, 1, list(contribs), C.FAILED, reason, 0, st.received)
+        if link.codec is not None and st.wire is not None:  # the mean travels compressed; we apply what we send
+            t0 = time.perf_counter()
+            st.mean_wire, mean = await asyncio.to_thread(link.codec.encode_mean, mean, st.wire.ref)
+            st.codec_s += time.perf_counter() - t0
         st.members = sorted([link.peer_id, *contribs])
         st.mean = mean
         st.decided.set()
@@ -93,27 +98,37 @@ class GroupExchange:
         return C.ExchangeResult(st.mean, len(st.members), partners, C.OK, "", sent, st.received)
 
     async def _gather(self, st: C.Round, root: str) -> C.ExchangeResult:
-        link = self.link
-        for _ in range(3):
+        """Send to ``root`` and read the mean back. Follows a "not_root:<peer>" redirect (twice at
+        most) and asks again, until the deadline, while the root answers "not_in_roster" or
+        "busy" (its roster read has not seen our entry yet: without this the member went solo
+        and the root waited out its whole collection window for it)."""
+        link, redirects = self.link, 0
+        while True:
             addr = link.addrs.get(root)
             if addr is None:
                 return C.ExchangeResult(None, 1, [root], C.FAILED, "no_root")
             res, redirect = await self._gather_once(st, root, addr)
-            if redirect is None or redirect == link.peer_id or remaining(st.deadline) <= 0:
-                return res
-            log.info("gather root %s says the root is %s; retrying there", root[:16], redirect[:16])
-            if redirect not in link.addrs:
-                await self.roster(st)
-            root = redirect
-        return res
+            if redirect is not None and redirect != link.peer_id and redirects < 2 and remaining(st.deadline) > 0:
+                log.info("gather root %s says the root is %s; retrying there", root[:16], redirect[:16])
+                redirects += 1
+                if redirect not in link.addrs:
+                    await self.roster(st)
+                root = redirect
+                continue
+            if res.reason in C.RETRY and remaining(st.deadline) > 2 * link.poll_interval_s and not link.closed:
+                await asyncio.sleep(link.poll_interval_s)
+                continue
+            return res
 
     async def _gather_once(self, st: C.Round, root: str, addr: str) -> tuple[C.ExchangeResult, str | None]:
         link, sent, recv, stream = self.link, 0, 0, None
         try:
             async with asyncio.timeout(max(0.0, remaining(st.deadline))):
                 stream = await link.open(addr, root, st, "gather", max(0.05, min(HANDSHAKE_S, remaining(st.deadline))))
-                sent = await link.send(stream, st.tensors)
-                mean, recv = await link.recv_tensors(stream)
+                names, payload = link.payload(st)
+                sent = await link.send(stream, payload, names=names)
+                mean, recv = await link.recv_tensors(stream, names=link.codec.mean_names() if link.codec else None)
+                mean = await link.rebuild(st, mean, mean=True)
                 await link.check_bounds(st.tensors, mean)  # the root's mean vs our own tensors
                 meta, members = await link.recv_done(stream)
             size = meta.get("group_size", "")
@@ -131,7 +146,10 @@ class GroupExchange:
             redirect = None
             if reason.startswith("not_root:"):
                 redirect, reason = reason.split(":", 1)[1], "not_root"
-            log.warning("gather to root %s failed (%s); solo step, then re-fetch phi", root[:16], reason)
+            if reason in C.RETRY:
+                log.info("gather to root %s refused (%s): asking again", root[:16], reason)
+            else:
+                log.warning("gather to root %s failed (%s); solo step, then re-fetch phi", root[:16], reason)
             return C.ExchangeResult(None, 1, [root], C.FAILED, reason, sent, recv), redirect
         except (OSError, TimeoutError) as exc:
             reason = "timeout" if isinstance(exc, TimeoutError) else "partner_error"
@@ -155,7 +173,8 @@ class GroupExchange:
         try:
             async with asyncio.timeout(max(0.0, remaining(st.deadline))):
                 try:
-                    theirs, recv = await link.recv_tensors(stream)
+                    theirs, recv = await link.recv_tensors(stream, names=link.incoming(st))
+                    theirs = await link.rebuild(st, theirs)
                     await link.check_bounds(st.tensors, theirs)
                 finally:
                     st.arriving.discard(pid)  # in transit no more: the root need not wait for it
@@ -167,7 +186,10 @@ class GroupExchange:
                 if st.mean is None or pid not in st.members:
                     why = f"not_root:{st.root}" if st.root not in (None, link.peer_id) else "late"
                     raise Refused(grpc.StatusCode.FAILED_PRECONDITION, why, f"{why} (round {st.round})")
-                sent = await link.send(stream, st.mean)
+                if st.mean_wire is not None:
+                    sent = await link.send(stream, st.mean_wire, names=link.codec.mean_names())
+                else:
+                    sent = await link.send(stream, st.mean)
                 await link.send_done(stream, {"group_size": str(len(st.members))}, st.members)
             fut.set_result(sent)
         except TensorRejected as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from node.averaging import LocalNonFinite, ordered_mean
 from node.logs import emit
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
+from optimizers.outer_codec import OuterCodec
 from optimizers.robust import PartnerClip
 from protocol.channels import ChannelPool, remaining, task
 from protocol.codec import THREAD_BYTES, TensorRejected, all_finite
@@ -46,18 +48,21 @@ class ExchangeLink:
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
                  distrust_rounds: int = 10, roster: "Roster | None" = None,
                  robust: PartnerClip | None = None,
-                 on_clip: Callable[[float, float, bool, bool], None] | None = None):
+                 on_clip: Callable[[float, float, bool, bool], None] | None = None,
+                 codec: OuterCodec | None = None):
         self.specs = list(specs)
+        self.codec = codec                     # None: the fp32 tensors travel as they are
+        wire = codec.wire_specs() if codec is not None else self.specs
         self.names = [s[0] for s in self.specs]
         self.run_id, self.peer_id, self.cfg_hash, self.grpc_addr = run_id, peer_id, cfg_hash, grpc_addr
         self.netem, self.max_round_skew = netem, int(max_round_skew)
         self.poll_interval_s, self.on_reject = float(poll_interval_s), on_reject
         # what a peer may send: our specs, and the "done" control tensor (member IDs, 1-D uint8)
-        self.expected: dict[str, tuple[torch.dtype, tuple[int, ...] | None]] = {n: (d, s) for n, d, s in self.specs}
+        self.expected: dict[str, tuple[torch.dtype, tuple[int, ...] | None]] = {n: (d, s) for n, d, s in wire}
         self.expected[C.DONE] = (torch.uint8, None)
-        self.cap = max(C.MEMBERS_CAP, *(C.spec_bytes(s) for s in self.specs))
-        self.window = min(1024, len(self.specs) + 2)  # a side sends all its tensors and "done" without waiting
-        self.spec_hash = C.spec_hash(self.specs)
+        self.cap = max(C.MEMBERS_CAP, *(C.spec_bytes(s) for s in wire))
+        self.window = min(1024, len(wire) + 2)  # a side sends all its tensors and "done" without waiting
+        self.spec_hash = C.spec_hash(self.specs if codec is None else [*self.specs, *wire])
         self.max_message_bytes = max_message_bytes
         self.pool = ChannelPool(max_message_bytes)
         self.addrs: dict[str, str] = {}        # peer ID -> gRPC address, from roster reads
@@ -83,19 +88,23 @@ class ExchangeLink:
             pace=self.pacer(pid), timeout=timeout, method=C.METHOD, expected=self.expected,
             on_reject=lambda reason: self.rejected(pid, reason))
 
-    async def send(self, stream: TensorStream, tensors: Sequence[torch.Tensor], sent: list[int] | None = None) -> int:
-        """Stream ``tensors`` under the spec names; returns their payload bytes. ``sent[0]`` (when
-        given) counts them as they go, so a round that fails midway still reports what left."""
+    async def send(self, stream: TensorStream, tensors: Sequence[torch.Tensor], sent: list[int] | None = None,
+                   names: Sequence[str] | None = None) -> int:
+        """Stream ``tensors`` under ``names`` (default: the spec names); returns their payload
+        bytes. ``sent[0]`` (when given) counts them as they go, so a round that fails midway
+        still reports what left."""
         sent = [0] if sent is None else sent
-        for name, t in zip(self.names, tensors):
+        for name, t in zip(self.names if names is None else names, tensors):
             await self._io(stream, stream.send(name, t))
             sent[0] += t.numel() * t.element_size()
         return sent[0]
 
-    async def recv_tensors(self, stream: TensorStream, check: bool = True) -> tuple[list[torch.Tensor], int]:
-        """The partner's tensors in spec order (checked, finite if ``check``) and their bytes."""
+    async def recv_tensors(self, stream: TensorStream, check: bool = True,
+                           names: Sequence[str] | None = None) -> tuple[list[torch.Tensor], int]:
+        """The partner's tensors in the order of ``names`` (default: the specs; checked, finite
+        if ``check``) and their bytes."""
         got, nbytes = [], 0
-        for name in self.names:
+        for name in self.names if names is None else names:
             r = await self._recv(stream)
             if r.name != name:
                 raise TensorRejected("malformed", f"got tensor {r.name!r} where {name!r} comes next; tensors "
@@ -105,6 +114,34 @@ class ExchangeLink:
         if check:
             await self.check_finite(got)
         return got, nbytes
+
+    # ------------------------------------------------------------------ compression (optimizers/outer_codec.py)
+    def payload(self, st: C.Round) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, tensors) we send for round ``st``: the fp32 tensors, or their compressed parts."""
+        if self.codec is None or st.wire is None:
+            return self.names, st.tensors
+        return self.codec.names_for(st.round), self.codec.tensors_for(st.round, st.wire)
+
+    def incoming(self, st: C.Round) -> list[str]:
+        """The names a partner's payload for round ``st`` carries, in order."""
+        return self.names if self.codec is None else self.codec.names_for(st.round)
+
+    async def rebuild(self, st: C.Round, wire: list[torch.Tensor], mean: bool = False) -> list[torch.Tensor]:
+        """The partner's fp32 tensors from what it sent (the same list without compression),
+        rebuilt off the event loop on our phi; a malformed part -> TensorRejected("compressed")."""
+        if self.codec is None:
+            return wire
+        if st.wire is None:
+            raise PeerError("local_error", "compressed exchange without our own payload (no reference phi)")
+        codec, ref = self.codec, st.wire.ref
+        work = (lambda: codec.decode_mean(wire, ref)) if mean else (lambda: codec.decode(st.round, wire, ref))
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(work)
+        except ValueError as exc:
+            raise TensorRejected("compressed", f"the partner's compressed tensors are malformed: {exc}") from None
+        finally:
+            st.codec_s += time.perf_counter() - t0
 
     async def send_done(self, stream: TensorStream, meta: Mapping[str, str] | None = None,
                         members: Sequence[str] = ()) -> None:

@@ -114,11 +114,13 @@ async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
     have sent them). ``sent[0]`` (when given) counts our payload bytes as they go out, so a
     caller whose swap is cancelled still knows what it sent."""
     sent, recv, t0 = [0] if sent is None else sent, 0, time.perf_counter()
-    sender = task(link.send(stream, st.tensors, sent))
+    names, payload = link.payload(st)  # fp32 tensors, or their compressed parts (outer_codec.py)
+    sender = task(link.send(stream, payload, sent, names))
     try:
         async with asyncio.timeout(max(0.0, remaining(st.deadline))):
-            theirs, recv = await link.recv_tensors(stream, check=False)
+            theirs, recv = await link.recv_tensors(stream, check=False, names=link.incoming(st))
             await sender  # all of ours goes out before any verdict: the partner judges our tensors itself
+            theirs = await link.rebuild(st, theirs)  # compressed: decoded on our phi; bounds apply to the result
             await link.check_bounds(st.tensors, theirs)
             theirs = await link.clip(st, theirs, charge_to)  # robust averaging: the partner's pull is bounded
             mean = await link.mean([(link.peer_id, st.tensors), (pid, theirs)])

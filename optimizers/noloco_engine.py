@@ -35,6 +35,7 @@ from models.hf_adapter import build_from_config
 from models.optim import build_optimizer, inner_lr_scheduler, inner_step
 from optimizers.config import NoLoCoConfig
 from optimizers.noloco import make_outer
+from optimizers.outer_codec import OuterCodec, Outgoing
 from optimizers.outer_state import copy_into
 from optimizers.robust import distance
 
@@ -119,6 +120,11 @@ class NoLoCoEngine:
         self._sent_at = 0  # the step at which outgoing() took theta
         self._sends = 0  # rounds staged for sending: picks the host buffer set off the CPU
         self.last_move = 0.0  # ||theta - phi|| when outgoing() took theta (the robust clip's own scale)
+        # compressed exchanges (``[noloco] compression``): the codec with this worker's error
+        # feedback, and the payload outgoing() compressed for the round in flight
+        self.codec = OuterCodec.from_config(cfg, self.names, [tuple(p.shape) for p in self.params])
+        self.wire: Outgoing | None = None
+        self.encode_s = 0.0  # seconds the last compression took (compute thread)
 
     # ---------------- set-up ----------------
     @property
@@ -203,13 +209,21 @@ class NoLoCoEngine:
             with torch.no_grad():
                 self.last_move = distance(theta, [_to(f, t.device) for f, t in zip(self.outer.phi, theta)])
         if self.placement.device.type == "cpu":
-            return self.outer.exchange_tensors(theta)
+            return self._compress(self.outer.exchange_tensors(theta))
         slot = self._sends % 2  # alternates every round, whatever the round label or a rollback does
         self._sends += 1
         named = {f"{slot}.theta.{n}": t for n, t in zip(self.names, theta)}
         if self.cfg.exchanges_phi:
             named.update({f"{slot}.phi.{n}": t for n, t in zip(self.names, self.outer.phi)})
-        return list(self.placement.to_host({k: v.to(torch.float32) for k, v in named.items()}).values())
+        return self._compress(list(self.placement.to_host({k: v.to(torch.float32) for k, v in named.items()}).values()))
+
+    def _compress(self, tensors: list[Tensor]) -> list[Tensor]:
+        """With compression on, compress this round's payload (``self.wire``) from ``tensors``."""
+        if self.codec is not None:
+            t0 = time.perf_counter()
+            self.wire = self.codec.encode(tensors[:len(self.params)], self.outer.phi)
+            self.encode_s = time.perf_counter() - t0
+        return tensors
 
     def outer_step(self, mean: Sequence[Tensor] | None, n: int, sent: Sequence[Tensor], rnd: int) -> OuterResult:
         """The outer step of round label ``rnd`` with the group ``mean`` of ``n`` members (None or
@@ -217,6 +231,8 @@ class NoLoCoEngine:
         finite and ``||phi_new - phi_before|| <= max_update_ratio * ||phi_good||``. A good step
         moves the round to ``rnd + 1`` and becomes the good state; a bad one is rolled back
         (:meth:`rollback`) before this returns."""
+        if self.codec is not None and self.wire is not None and mean is not None and n > 1:
+            self.codec.commit(self.wire)  # delivered: what it did not carry goes with the next round
         norm, spread = self._step(mean, n, sent)
         why = self._problem(norm)
         if why is not None:
@@ -297,6 +313,8 @@ class NoLoCoEngine:
             copy_into(self.params, self.outer.phi)
         self.opt, self.sched = self._new_inner(self.step)
         self.round_start_step = self.step
+        if self.codec is not None:
+            self.codec.reset()  # the residual may hold the same poison
 
     def adopt(self, rnd: int, phi: Sequence[Tensor]) -> None:
         """Take a peer's phi and round (a joiner, or a recovery download): fresh Adam state and
@@ -308,6 +326,8 @@ class NoLoCoEngine:
         self.step = rnd * self.cfg.inner_steps
         self.opt, self.sched = self._new_inner(self.step)
         self.round_start_step = self.step
+        if self.codec is not None:
+            self.codec.reset()  # unsent progress of a state we no longer hold
         self._keep_good(None)
 
     def resync(self, rnd: int, phi: Sequence[Tensor]) -> None:
@@ -316,6 +336,8 @@ class NoLoCoEngine:
         with torch.no_grad():
             self.outer.set_phi(phi)
             copy_into(self.params, self.outer.phi)
+        if self.codec is not None:
+            self.codec.reset()
         self.round = rnd
         self.mark_good()
 

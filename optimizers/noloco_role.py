@@ -106,7 +106,7 @@ class NoLoCoRole(TrainingRole):
             bounds=TensorBounds(self.cfg.max_norm_ratio, self.cfg.max_distance_ratio, self.cfg.bound_floor_rms),
             robust=(None if self.cfg.robust == "off" else
                     PartnerClip(self.cfg.robust_multiplier, self.cfg.robust_window, strikes=self.cfg.robust_strikes)),
-            on_clip=self._on_clip)
+            on_clip=self._on_clip, codec=self.engine.codec)
         self.tally = M.Tally()
         self._bad_rounds = 0  # outer steps refused in a row
         self._lead = 0        # inner steps dropped from the next phase (left out of a round's pairs)
@@ -332,7 +332,9 @@ class NoLoCoRole(TrainingRole):
                     group_size=n, outcome=res.outcome, reason=res.reason, partners=list(res.partners),
                     train_loss=loss, blocked_s=round(res.blocked_s, 3), step=eng.step,
                     wait_bound_s=None if bound is None else round(bound, 3), exchange_s=round(res.exchange_s, 3),
-                    waited_s=round(waited, 3), overlap_steps=overlapped, train_s=round(self.tally.train_s(), 3))
+                    waited_s=round(waited, 3), overlap_steps=overlapped, train_s=round(self.tally.train_s(), 3),
+                    sent_bytes=res.sent_bytes, received_bytes=res.received_bytes,
+                    compress_s=round(eng.encode_s, 4), decompress_s=round(res.codec_s, 4))
         if eval_due:
             await self._evaluate()
         if self.cfg.outer == "diloco" and n == 1 and res.outcome != "ok":
@@ -351,7 +353,8 @@ class NoLoCoRole(TrainingRole):
         seconds waited, seconds spent computing inner steps meanwhile)."""
         if self.cfg.outer == "diloco":
             res = await self.exchange.group_average(rnd, tensors, self.cfg.round_timeout,
-                                                    expected=await self._live_workers(), move=self.engine.last_move)
+                                                    expected=await self._live_workers(), move=self.engine.last_move,
+                                                    wire=self.engine.wire)
             return res, rnd, None, 0.0, 0.0
         # waiting costs nothing while the worker can train on (overlap): wait that long too
         step_s = self.tally.step_s
@@ -461,7 +464,8 @@ class NoLoCoRole(TrainingRole):
             self.exchange.stop_waiting(rnd, "wait_bound")))
         watch = asyncio.create_task(self._watch_wait(rnd, end_wall, later))  # this try's: cancelled below
         try:
-            res = await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout, move=self.engine.last_move)
+            res = await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout, move=self.engine.last_move,
+                                                   wire=self.engine.wire)
         finally:
             timer.cancel()
             watch.cancel()

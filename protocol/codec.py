@@ -59,7 +59,8 @@ ALLOWED_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in ALLOWED_DTYPES.items()}
 
 REJECT_REASONS = frozenset({"dtype", "shape", "size", "checksum", "truncated", "malformed", "nonfinite",
-                            "norm", "distance"})  # the last two: optimizers.exchange_common.bound_violation
+                            "norm", "distance",  # these two: optimizers.exchange_common.bound_violation
+                            "compressed"})  # optimizers.outer_codec: a compressed part that cannot be decoded
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("protocol.codec assumes a little-endian host (payload is little-endian)")

@@ -19,7 +19,9 @@ import torch
 
 from node.netem import LinkEmulator, LinkSpec, NetemConfig
 from optimizers import exchange_common as W
+from optimizers.compression import Int8, make_compressor
 from optimizers.exchange import METHOD, OuterExchange, add_exchange_to_server
+from optimizers.outer_codec import OuterCodec
 from optimizers.roster import ROSTER_NAMESPACE
 from protocol.grpc_options import channel_options, server_options
 from protocol.stream_errors import StreamError
@@ -60,9 +62,9 @@ def dhts(tmp_path_factory):
 
 
 class Worker:
-    def __init__(self, dht, peer_id, specs, cfg_hash, netem, robust=None):
+    def __init__(self, dht, peer_id, specs, cfg_hash, netem, robust=None, codec=None):
         self.dht, self.peer_id, self.rejects, self.clips, self.charges = dht, peer_id, [], [], []
-        self.specs, self.cfg_hash, self.netem, self.robust = specs, cfg_hash, netem, robust
+        self.specs, self.cfg_hash, self.netem, self.robust, self.codec = specs, cfg_hash, netem, robust, codec
 
     def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
         self.clips.append((factor, radius, hard))
@@ -76,7 +78,7 @@ class Worker:
         self.ex = OuterExchange(run_id=RUN, peer_id=self.peer_id, cfg_hash=self.cfg_hash, grpc_addr=self.addr,
                                 dht=self.dht, specs=self.specs, netem=self.netem, poll_interval_s=0.1,
                                 on_reject=self.rejects.append, robust=self.robust,
-                                on_clip=self._on_clip)
+                                on_clip=self._on_clip, codec=self.codec)
         add_exchange_to_server(self.ex.servicer(), self.server)
         await self.server.start()
         return self
@@ -86,9 +88,10 @@ class Worker:
         await self.server.stop(0)
 
 
-async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None, robust=None):
-    """n workers sorted by ascending peer ID (``robust``: a PartnerClip factory)."""
-    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem, robust and robust()).start()
+async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None, robust=None, codec=None):
+    """n workers sorted by ascending peer ID (``robust``: a PartnerClip factory; ``codec``: an
+    OuterCodec factory, for compressed exchanges)."""
+    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem, robust and robust(), codec and codec()).start()
           for i, (d, p) in enumerate(dhts[:n])]
     return sorted(ws, key=lambda w: w.peer_id)
 
@@ -357,6 +360,31 @@ async def test_group_average_missing_member_goes_ahead(dhts):
         await stop_all(ws)
 
 
+async def test_group_member_asks_again_while_the_root_has_not_seen_its_roster_entry(dhts):
+    """The root's roster reads miss the member at first (its entry not visible yet): the root
+    refuses the gather "not_in_roster"; the member asks again and the round averages (it went
+    solo at once before, and the root waited out its collection window)."""
+    ws = await workers(dhts, 2)
+    root, member = ws  # ascending peer IDs: the lowest is the root
+    real, misses = root.ex.link.in_roster, [0]
+
+    async def late_roster(st, peer):
+        if misses[0] < 2:  # the root's reads have not seen the member yet
+            misses[0] += 1
+            return False
+        return await real(st, peer)
+
+    root.ex.link.in_roster = late_roster
+    try:
+        r = next_round()
+        res = await asyncio.gather(root.ex.group_average(r, tensors(90), 8, expected=2),
+                                   member.ex.group_average(r, tensors(91), 8, expected=2))
+        assert misses[0] == 2
+        assert [(x.outcome, x.n) for x in res] == [("ok", 2)] * 2, [(x.outcome, x.reason) for x in res]
+    finally:
+        await stop_all(ws)
+
+
 async def test_timing_64mib_pair(dhts):
     specs = [("theta", torch.float32, (16 * MiB,))]  # 64 MiB
     ws = await workers(dhts, 2, specs=specs)
@@ -374,5 +402,101 @@ async def test_timing_64mib_pair(dhts):
         # ~0.6 s warm here even on a loaded 2-core box (hivemind's averager measured
         # 0.63 s warm on these machines); 4 s catches a transport that fell back to small calls or chunks
         assert 0 < min(took) < 4.0, f"64 MiB pair exchange took {took} s (budget 4 s)"
+    finally:
+        await stop_all(ws)
+
+
+# ----------------------------------------------------------------------------- compressed exchanges
+
+def _codec_factory(outer="noloco", kind="topk", phi_every=20, topk=0.05):
+    return lambda: OuterCodec([n for n, _, _ in SPECS], [s for _, _, s in SPECS], make_compressor(kind, 64, topk),
+                              outer=outer, phi_every=phi_every)
+
+
+def _moved(seed, phi, scale=0.01):
+    g = torch.Generator().manual_seed(seed)
+    return [p + scale * torch.randn(p.shape, generator=g) for p in phi]
+
+
+async def test_compressed_pair_sends_the_parts_and_rebuilds_on_each_sides_phi(dhts):
+    """NoLoCo, top-k 5%: on a phi round each side rebuilds the partner's theta from its phi and
+    pseudo-gradient; on other rounds from its OWN phi plus the partner's pseudo-gradient. The
+    wire carries the compressed bytes only (counted as such), and the means are what the pure
+    codec gives."""
+    ws = await workers(dhts, 2, codec=_codec_factory(phi_every=20))
+    try:
+        phi = [tensors(50), tensors(51)]
+        theta = [_moved(60, phi[0]), _moved(61, phi[1])]
+        fp32 = sum(t.numel() * 4 for t in theta[0])
+        for _ in range(2):
+            r = next_round()  # rounds step by 10: one phi round (r % 20 == 0), one without
+            outs = [w.codec.encode(t, p) for w, t, p in zip(ws, theta, phi)]
+            ra, rb = await asyncio.gather(*(w.ex.pair_average(r, t, 10, wire=o) for w, t, o in zip(ws, theta, outs)))
+            assert ra.outcome == rb.outcome == "ok", (ra.reason, rb.reason)
+            expect = ws[0].codec.payload_bytes(r)
+            assert ra.sent_bytes == rb.sent_bytes == ra.received_bytes == expect
+            assert expect < (0.55 if r % 20 == 0 else 0.1) * fp32, (r, expect, fp32)
+            for me, other, res in ((0, 1, ra), (1, 0, rb)):
+                rebuilt = ws[me].codec.decode(r, ws[other].codec.tensors_for(r, outs[other]), outs[me].ref)
+                for m, own, th in zip(res.mean, theta[me], rebuilt):
+                    assert torch.equal(m, (own + th) / 2) if me == 0 else torch.equal(m, (th + own) / 2)
+                base = phi[other] if r % 20 == 0 else phi[me]
+                for th, b, t_o, p_o in zip(rebuilt, base, theta[other], phi[other]):
+                    # top-k of the pseudo-gradient: the rebuilt theta sits within ||delta|| of base + delta
+                    # (plus phi's int8 rounding on a phi round)
+                    q = Int8(64)
+                    phi_err = float((q.decode(q.encode(p_o), p_o.shape) - p_o).norm()) if r % 20 == 0 else 0.0
+                    assert float((th - (b + t_o - p_o)).norm()) <= float((t_o - p_o).norm()) + phi_err + 1e-5
+            for w, o in zip(ws, outs):
+                w.codec.commit(o)
+        assert not ws[0].rejects and not ws[1].rejects
+    finally:
+        await stop_all(ws)
+
+
+async def test_compressed_tampered_parts_are_refused_and_the_round_is_solo(dhts):
+    """A partner whose compressed payload is malformed (a top-k index out of range, then a NaN
+    scale) is refused by the receiver: counted, no mean on either side."""
+    for tamper, reasons in (("index", {"compressed"}), ("scale", {"nonfinite", "compressed"})):
+        ws = await workers(dhts, 2, codec=_codec_factory(phi_every=1000))
+        try:
+            r = next_round()
+            phi = [tensors(70), tensors(71)]
+            theta = [_moved(72, phi[0]), _moved(73, phi[1])]
+            outs = [w.codec.encode(t, p) for w, t, p in zip(ws, theta, phi)]
+            bad = outs[1].delta.parts[0]  # tensor "w": [indices, codes, scales]
+            if tamper == "index":
+                bad[0][-1] = 10 ** 6
+            else:
+                bad[2][0] = float("nan")
+            ra, rb = await asyncio.gather(*(w.ex.pair_average(r, t, 8, wire=o) for w, t, o in zip(ws, theta, outs)))
+            assert ra.outcome == "failed" and ra.mean is None and ra.reason in reasons, (tamper, ra)
+            assert rb.outcome == "failed" and rb.mean is None, (tamper, rb)
+            assert ws[0].rejects and ws[0].rejects[0] in reasons, ws[0].rejects
+        finally:
+            await stop_all(ws)
+
+
+async def test_compressed_group_members_apply_the_roots_mean_bitwise(dhts):
+    """DiLoCo, top-k 5%: members send compressed pseudo-gradients, the root sends the mean's
+    pseudo-gradient back compressed (with its own error feedback); every member, the root
+    included, ends with the same mean, close to the exact one where the top-k kept it."""
+    ws = await workers(dhts, 3, codec=_codec_factory(outer="diloco"))
+    try:
+        r = next_round()
+        phi = tensors(80)  # DiLoCo: one phi everywhere
+        theta = [_moved(81 + i, phi) for i in range(3)]
+        outs = [w.codec.encode(t, phi) for w, t in zip(ws, theta)]
+        res = await asyncio.gather(*(w.ex.group_average(r, t, 10, expected=3, wire=o)
+                                     for w, t, o in zip(ws, theta, outs)))
+        for x in res:
+            assert (x.outcome, x.n) == ("ok", 3), (x.outcome, x.reason)
+            assert all(torch.equal(m, m0) for m, m0 in zip(x.mean, res[0].mean))
+        exact = [(a + b + c) / 3 for a, b, c in zip(*theta)]
+        for m, e, p in zip(res[0].mean, exact, phi):
+            assert float((m - e).norm()) < float((e - p).norm())  # closer to the exact mean than phi is
+        up = ws[1].codec.payload_bytes(r)
+        assert res[1].sent_bytes == up and res[1].received_bytes == up  # a member: its parts out, the mean's in
+        assert up < 0.3 * sum(t.numel() * 4 for t in phi)
     finally:
         await stop_all(ws)
