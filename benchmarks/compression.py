@@ -80,9 +80,9 @@ LINK = {"latency_ms": 40, "bandwidth_mbps": 100}
 MODEL = dict(d_model=256, n_layers=4, n_heads=4, max_seq_len=64)
 COMMON = [
     "noloco.eval_every=1", "noloco.eval_batches=4", "noloco.checkpoint_every=0", "noloco.torch_threads=1",
-    "noloco.inner.lr=0.003", "noloco.inner.warmup=10", "noloco.round_timeout=20",
+    "noloco.inner.lr=0.003", "noloco.inner.warmup=10", "noloco.round_timeout=20", "noloco.wait_fraction=1.0",
     *(f"model.{k}={v}" for k, v in MODEL.items()),
-    "data.seq_len=32", "data.batch_size=4", "data.max_train_bytes=1000000", "data.max_val_bytes=100000",
+    "data.seq_len=32", "data.batch_size=2", "data.max_train_bytes=1000000", "data.max_val_bytes=100000",
     "card.ttl_s=10", "card.refresh_s=2", "drain.budget_s=10",
     "netem.enabled=true", "netem.default=" + json.dumps(LINK),
 ]

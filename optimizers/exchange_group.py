@@ -125,12 +125,15 @@ class GroupExchange:
         try:
             async with asyncio.timeout(max(0.0, remaining(st.deadline))):
                 stream = await link.open(addr, root, st, "gather", max(0.05, min(HANDSHAKE_S, remaining(st.deadline))))
-                names, payload = link.payload(st)
+                names, payload = await link.payload(st)
                 sent = await link.send(stream, payload, names=names)
                 mean, recv = await link.recv_tensors(stream, names=link.codec.mean_names() if link.codec else None)
                 mean = await link.rebuild(st, mean, mean=True)
                 await link.check_bounds(st.tensors, mean)  # the root's mean vs our own tensors
                 meta, members = await link.recv_done(stream)
+                # half-close: the root ends the call once it sees this, so its end never races
+                # our last credit frames (a credit sent into a finished call failed the read)
+                await stream.close(timeout=GRACE_S)
             size = meta.get("group_size", "")
             if not size.isdigit() or int(size) < 2 or link.peer_id not in members:
                 raise PeerError("partner_error", f"bad gather done frame (group_size {size[:8]!r})")
@@ -191,6 +194,7 @@ class GroupExchange:
                 else:
                     sent = await link.send(stream, st.mean)
                 await link.send_done(stream, {"group_size": str(len(st.members))}, st.members)
+                await _until_half_closed(stream)
             fut.set_result(sent)
         except TensorRejected as exc:
             if not isinstance(exc, StreamRejected):
@@ -204,3 +208,12 @@ class GroupExchange:
             st.arriving.discard(pid)
             if not fut.done():
                 fut.set_result(0)
+
+
+async def _until_half_closed(stream: TensorStream) -> None:
+    """The root's end of a gather: wait (``GRACE_S`` at most) until the member half-closes after
+    reading the mean, so the call does not end while the member still sends credit frames."""
+    try:
+        await stream.recv(timeout=GRACE_S)
+    except (StreamError, TimeoutError):
+        pass

@@ -116,10 +116,15 @@ class ExchangeLink:
         return got, nbytes
 
     # ------------------------------------------------------------------ compression (optimizers/outer_codec.py)
-    def payload(self, st: C.Round) -> tuple[list[str], list[torch.Tensor]]:
-        """(names, tensors) we send for round ``st``: the fp32 tensors, or their compressed parts."""
+    async def payload(self, st: C.Round) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, tensors) we send for round ``st``: the fp32 tensors, or their compressed parts
+        (phi, on a phi round, compressed now, off the event loop)."""
         if self.codec is None or st.wire is None:
             return self.names, st.tensors
+        if self.codec.sends_phi(st.round) and st.wire.phi is None:
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self.codec.ensure_phi, st.wire)
+            st.codec_s += time.perf_counter() - t0
         return self.codec.names_for(st.round), self.codec.tensors_for(st.round, st.wire)
 
     def incoming(self, st: C.Round) -> list[str]:

@@ -114,10 +114,11 @@ async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
     have sent them). ``sent[0]`` (when given) counts our payload bytes as they go out, so a
     caller whose swap is cancelled still knows what it sent."""
     sent, recv, t0 = [0] if sent is None else sent, 0, time.perf_counter()
-    names, payload = link.payload(st)  # fp32 tensors, or their compressed parts (outer_codec.py)
-    sender = task(link.send(stream, payload, sent, names))
+    sender: asyncio.Task | None = None
     try:
         async with asyncio.timeout(max(0.0, remaining(st.deadline))):
+            names, payload = await link.payload(st)  # fp32 tensors, or their compressed parts (outer_codec.py)
+            sender = task(link.send(stream, payload, sent, names))
             theirs, recv = await link.recv_tensors(stream, check=False, names=link.incoming(st))
             await sender  # all of ours goes out before any verdict: the partner judges our tensors itself
             theirs = await link.rebuild(st, theirs)  # compressed: decoded on our phi; bounds apply to the result
@@ -130,7 +131,8 @@ async def swap(link: ExchangeLink, stream: TensorStream, st: C.Round, pid: str,
     except (TensorRejected, PeerError, TimeoutError) as exc:
         return _failed(link, pid, charge_to, exc, sent[0], recv)
     finally:
-        sender.cancel()
+        if sender is not None:
+            sender.cancel()
 
 
 def _failed(link: ExchangeLink, pid: str, charge_to: str | None, exc: Exception, sent: int,

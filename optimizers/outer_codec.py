@@ -47,14 +47,15 @@ __all__ = ["OuterCodec", "Outgoing"]
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Outgoing:
     """One round's compressed payload of a worker."""
 
     delta: Pending
     """The compressed ``delta + residual`` and the residual to keep once delivered."""
     phi: list[list[Tensor]] | None
-    """int8 parts of phi (NoLoCo), sent on phi rounds only; None for DiLoCo."""
+    """int8 parts of phi (NoLoCo), sent on phi rounds only; None until a phi round needs them
+    (:meth:`OuterCodec.ensure_phi`), always None for DiLoCo."""
     ref: list[Tensor]
     """This worker's phi (fp32, host): what a partner's pseudo-gradient is put on."""
 
@@ -114,10 +115,15 @@ class OuterCodec:
         """``out``'s wire tensors for round label ``rnd`` (``names_for`` order)."""
         flat = [t for parts in out.delta.parts for t in parts]
         if self.sends_phi(rnd):
-            if out.phi is None:
-                raise ValueError("round needs phi but the payload has none")
+            self.ensure_phi(out)
             flat += [t for parts in out.phi for t in parts]
         return flat
+
+    @torch.no_grad()
+    def ensure_phi(self, out: Outgoing) -> None:
+        """Compress ``out``'s phi (int8) unless done: only phi rounds pay for it."""
+        if out.phi is None:
+            out.phi = [self.phi_codec.encode(r) for r in out.ref]
 
     def payload_bytes(self, rnd: int) -> int:
         """Bytes of a payload for round label ``rnd``."""
@@ -127,13 +133,12 @@ class OuterCodec:
     # ------------------------------------------------------------------ sender
     @torch.no_grad()
     def encode(self, theta: Sequence[Tensor], phi: Sequence[Tensor]) -> Outgoing:
-        """Compress ``theta - phi`` (plus the residual) and, NoLoCo, phi itself. Nothing is
-        committed: call :meth:`commit` when the round's exchange succeeded."""
+        """Compress ``theta - phi`` (plus the residual); phi itself is compressed when a phi round
+        asks for it (:meth:`ensure_phi`). Nothing is committed: call :meth:`commit` when the
+        round's exchange succeeded."""
         ref = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in phi]
         delta = [t.detach().to(device="cpu", dtype=torch.float32) - r for t, r in zip(theta, ref)]
-        pending = self.uplink.compress(delta)
-        phi_parts = [self.phi_codec.encode(r) for r in ref] if self.outer == "noloco" else None
-        return Outgoing(pending, phi_parts, ref)
+        return Outgoing(self.uplink.compress(delta), None, ref)
 
     def commit(self, out: Outgoing) -> None:
         """``out`` was delivered: keep its residual for the next round."""

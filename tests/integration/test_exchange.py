@@ -489,8 +489,8 @@ async def test_compressed_group_members_apply_the_roots_mean_bitwise(dhts):
         outs = [w.codec.encode(t, phi) for w, t in zip(ws, theta)]
         res = await asyncio.gather(*(w.ex.group_average(r, t, 10, expected=3, wire=o)
                                      for w, t, o in zip(ws, theta, outs)))
+        assert [(x.outcome, x.n) for x in res] == [("ok", 3)] * 3, [(x.outcome, x.reason) for x in res]
         for x in res:
-            assert (x.outcome, x.n) == ("ok", 3), (x.outcome, x.reason)
             assert all(torch.equal(m, m0) for m, m0 in zip(x.mean, res[0].mean))
         exact = [(a + b + c) / 3 for a, b, c in zip(*theta)]
         for m, e, p in zip(res[0].mean, exact, phi):
