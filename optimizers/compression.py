@@ -16,7 +16,9 @@ Each compressor turns one fp32 tensor into a few small wire tensors ("parts") an
 * ``Sign`` (``"sign"``): one bit per value (its sign, 8 per byte) and one fp32 scale per block,
   the block's mean magnitude (the scale that minimises the squared error of a sign code).
   1/8 + 4/block bytes per value; coarse per round, but every coordinate moves every round and
-  error feedback carries the rest (EF-signSGD).
+  error feedback carries the rest (EF-signSGD). With ``hold`` h > 0 a strided h of the
+  coordinates (random offset per call, sent as one int32) is held back in the residual:
+  (1 - h) (1/8 + 4/block) bytes per value, under 1 bit at h = 0.05.
 * ``TopK`` (``"topk"``): the ``ceil(topk * numel)`` coordinates of largest magnitude, their
   indices ascending as int32 and their values as ``Int8`` (blocks over the kept values). About
   5 bytes per kept coordinate; what is not kept is the error (carried by error feedback).
@@ -177,31 +179,71 @@ class Int4(Compressor):
 class Sign(Compressor):
     kind = "sign"
 
+    def __init__(self, block: int = 128, hold: float = 0.0, seed: int = 0):
+        """``hold``: the share of each tensor's coordinates NOT sent this round (a strided set
+        at a random offset each call, the offset travels as one int32): their values stay in
+        the error feedback for a later round. 0.05 takes the payload under 1 bit per value."""
+        super().__init__(block)
+        if not 0.0 <= hold <= 0.5:
+            raise ValueError(f"sign hold={hold} must be in [0, 0.5]")
+        self.hold = float(hold)
+        self._gen = torch.Generator().manual_seed(int(seed))
+
+    def _held(self, numel: int) -> tuple[int, int]:
+        """(coordinates held back, their stride): indices offset + stride * j, j < held."""
+        d = int(numel * self.hold)
+        return (d, numel // d) if d else (0, 0)
+
     def parts(self, numel: int) -> list[Part]:
-        return [("q", torch.uint8, ((numel + 7) // 8,)), ("s", torch.float32, (_blocks(numel, self.block),))]
+        d, _ = self._held(numel)
+        m = numel - d
+        parts = [("q", torch.uint8, ((m + 7) // 8,)), ("s", torch.float32, (_blocks(m, self.block),))]
+        return ([("o", torch.int32, (1,))] + parts) if d else parts
+
+    @staticmethod
+    def _kept(numel: int, d: int, stride: int, offset: int) -> Tensor:
+        mask = torch.ones(numel, dtype=torch.bool)
+        mask[offset:offset + stride * d:stride] = False
+        return mask
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> list[Tensor]:
         flat = x.detach().reshape(-1).to(torch.float32)
+        d, stride = self._held(flat.numel())
+        head: list[Tensor] = []
+        if d:
+            offset = int(torch.randint(stride, (1,), generator=self._gen))
+            flat = flat[self._kept(flat.numel(), d, stride, offset)]
+            head = [torch.tensor([offset], dtype=torch.int32)]
         n = flat.numel()
         nb = _blocks(n, self.block)
         counts = torch.full((nb,), float(self.block))
         counts[-1] = float(n - (nb - 1) * self.block) if n else 1.0
         scales = _block_view(flat.abs(), self.block).sum(1) / counts  # mean |x|: the L2-best sign scale
         bits = np.packbits((flat >= 0).numpy(), bitorder="little")
-        return [torch.from_numpy(bits), scales]
+        return [*head, torch.from_numpy(bits), scales]
 
     @torch.no_grad()
     def decode(self, parts: Sequence[Tensor], shape: Sequence[int]) -> Tensor:
-        packed, scales = parts
-        n = math.prod(shape)
-        bits = np.unpackbits(packed.contiguous().numpy(), count=n, bitorder="little")
+        numel = math.prod(shape)
+        d, stride = self._held(numel)
+        packed, scales = parts[-2:]
+        m = numel - d
+        bits = np.unpackbits(packed.contiguous().numpy(), count=m, bitorder="little")
         signs = torch.from_numpy(bits).to(torch.float32).mul_(2).sub_(1)
-        return (_block_view(signs, self.block) * scales[:, None]).view(-1)[:n].view(tuple(shape))
+        vals = (_block_view(signs, self.block) * scales[:, None]).view(-1)[:m]
+        if not d:
+            return vals.view(tuple(shape))
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[self._kept(numel, d, stride, int(parts[0][0]))] = vals
+        return out.view(tuple(shape))
 
     def check(self, parts: Sequence[Tensor], numel: int) -> None:
         super().check(parts, numel)
-        _check_scales(parts[1], "sign")
+        d, stride = self._held(numel)
+        if d and not 0 <= int(parts[0][0]) < stride:
+            raise ValueError(f"sign: offset {int(parts[0][0])} of the held coordinates is outside [0, {stride})")
+        _check_scales(parts[-1], "sign")
 
 
 class TopK(Compressor):
@@ -250,8 +292,8 @@ class TopK(Compressor):
         self._values.check(parts[1:], idx.numel())
 
 
-def make_compressor(kind: str, block: int = 128, topk: float = 0.02) -> Compressor:
-    """The compressor ``kind`` ("int8" | "int4" | "topk") with its settings."""
+def make_compressor(kind: str, block: int = 128, topk: float = 0.02, hold: float = 0.0) -> Compressor:
+    """The compressor ``kind`` ("int8" | "int4" | "sign" | "topk") with its settings (``hold``: sign only)."""
     if kind == "int8":
         return Int8(block)
     if kind == "int4":
@@ -259,7 +301,7 @@ def make_compressor(kind: str, block: int = 128, topk: float = 0.02) -> Compress
     if kind == "topk":
         return TopK(block, topk)
     if kind == "sign":
-        return Sign(block)
+        return Sign(block, hold)
     raise ValueError(f"unknown compression {kind!r}; use one of {', '.join(KINDS)} (or 'none' in the config)")
 
 

@@ -25,7 +25,7 @@ HASHED_FIELDS: tuple[str, ...] = (
 )
 _HASH_VERSION = "noloco-cfg-v1"
 COMPRESSION_FIELDS: tuple[str, ...] = ("compression", "compression_block", "compression_topk",
-                                       "compression_phi_every")
+                                       "compression_hold", "compression_phi_every")
 
 # outer_momentum when the config leaves it unset, per outer form (docs/noloco.md, 'DiLoCo baseline'): NoLoCo's
 # alpha 0.5; heavy-ball DiLoCo mu 0.3 (the NoLoCo authors' baseline); Nesterov DiLoCo mu 0.9 (the
@@ -241,6 +241,11 @@ class NoLoCoConfig(BaseModel):
     compression_topk: float = Field(0.02, gt=0, le=1)
     """``compression = "topk"``: the fraction of each tensor's coordinates sent per round (at
     least one). Raise it if the compressed run's loss trails the fp32 one; lower it to send less."""
+
+    compression_hold: float = Field(0.0, ge=0, le=0.5)
+    """``compression = "sign"``: the share of each tensor's coordinates held back per round (a
+    strided set at a random offset, kept in the error feedback for a later round). 0.05 puts the
+    payload under one bit per parameter (0.123 B/param at block 1024); 0 sends every sign."""
 
     compression_phi_every: int = Field(8, ge=1)
     """NoLoCo with compression: phi (int8) travels on round labels divisible by this; other rounds

@@ -85,7 +85,7 @@ class OuterCodec:
         """From a ``NoLoCoConfig``; None when ``compression = "none"``."""
         if cfg.compression == "none":
             return None
-        comp = make_compressor(cfg.compression, cfg.compression_block, cfg.compression_topk)
+        comp = make_compressor(cfg.compression, cfg.compression_block, cfg.compression_topk, cfg.compression_hold)
         return cls(names, shapes, comp, outer=cfg.outer, phi_every=cfg.compression_phi_every,
                    exchanges_phi=cfg.exchanges_phi)
 

@@ -254,3 +254,30 @@ def test_compression_is_part_of_the_config_hash():
     assert NoLoCoConfig(compression="int8").cfg_hash() != NoLoCoConfig(compression="int4").cfg_hash()
     assert (NoLoCoConfig(compression_topk=0.5).cfg_hash() == NoLoCoConfig().cfg_hash())  # off: not hashed
     assert OuterCodec.from_config(NoLoCoConfig(), NAMES, SHAPES) is None
+
+
+def test_sign_with_hold_sends_under_one_bit_and_error_feedback_delivers_the_held_share():
+    c = Sign(1024, hold=0.05)
+    n = 200_000
+    assert c.bytes_per_value(n) < 0.125
+    x = _x(9, n)
+    parts = c.encode(x)
+    c.check(parts, n)
+    y = c.decode(parts, x.shape)
+    assert int((y == 0).sum()) == int(n * 0.05)  # the held coordinates, nothing else
+    assert torch.equal(torch.sign(y[y != 0]), torch.where(x[y != 0] >= 0, 1.0, -1.0))
+    bad = [parts[0].clone(), *parts[1:]]
+    bad[0][0] = n  # the offset of the held coordinates must be within one stride
+    with pytest.raises(ValueError, match="offset"):
+        c.check(bad, n)
+    # error feedback: over rounds, what was sent + the residual is what came in
+    ef = ErrorFeedback(Sign(64, hold=0.1), [(3000,)])
+    total_in, total_out = torch.zeros(3000, dtype=torch.float64), torch.zeros(3000, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        x = torch.randn(3000, generator=g)
+        p = ef.compress([x])
+        ef.commit(p)
+        total_in += x.double()
+        total_out += ef.compressor.decode(p.parts[0], (3000,)).double()
+    assert torch.allclose(total_out + ef.residual[0].double(), total_in, atol=1e-4)

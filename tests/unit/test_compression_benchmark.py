@@ -119,7 +119,7 @@ def test_sweep_rows_and_table():
     table = bench.sweep_markdown(rows).splitlines()
     assert len(table) == 2 + len(rows)
     assert "int4 block 64, phi int8 every 8" in table[2] and table[2].endswith("failed |")
-    assert "| diloco | sign block 1024 | 0.100 | 1.0000 | 0.50 |" == table[4]
+    assert "| diloco | sign block 1024, hold 0.05 | 0.100 | 1.0000 | 0.50 |" == table[4]
 
 
 def test_arm_settings_and_plan():
