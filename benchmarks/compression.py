@@ -73,7 +73,7 @@ from typing import Any
 if __package__ in (None, ""):  # allow `python benchmarks/compression.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.noloco_swarm import _count, _ratio, mean_curve, records, time_to, worker_figures  # noqa: E402
+from benchmarks.noloco_swarm import _count, _ratio, mean_curve, records, time_to, wait_finished, worker_figures  # noqa: E402
 from node.localswarm import LocalSwarm  # noqa: E402
 
 LINK = {"latency_ms": 40, "bandwidth_mbps": 100}
@@ -273,14 +273,7 @@ def run_arm(outer: str, setting: str, cfg: dict, seed: int, workdir: Path, keys:
         for n in names:
             if not (keys / f"{n}.key").exists():
                 shutil.copy2(workdir / f"{n}.key", keys / f"{n}.key")
-        deadline = time.monotonic() + cfg["timeout_s"]
-        while any(w.alive() for w in workers):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{outer} {setting}: workers still running after {cfg['timeout_s']:.0f} s")
-            time.sleep(0.5)
-        bad = [w for w in workers if w.proc.returncode != 0]
-        if bad:
-            raise RuntimeError(f"{bad[0].name} exited {bad[0].proc.returncode}:\n{bad[0].log_text()[-2000:]}")
+        wait_finished(workers, cfg["timeout_s"], f"{outer} {setting}")
         per = [worker_figures(w, 0.0) for w in workers]
         rounds = [r for w in workers for r in records(w, "averaging_round_done")]
     for p in per:

@@ -132,6 +132,19 @@ def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def wait_finished(workers: list[NodeProc], timeout_s: float, what: str) -> None:
+    """Wait until every worker process exited 0 (TimeoutError after ``timeout_s``, RuntimeError
+    with the log's tail for a worker that failed)."""
+    deadline = time.monotonic() + timeout_s
+    while any(w.alive() for w in workers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: workers still running after {timeout_s:.0f} s")
+        time.sleep(0.5)
+    bad = [w for w in workers if w.proc.returncode != 0]
+    if bad:
+        raise RuntimeError(f"{bad[0].name} exited {bad[0].proc.returncode}:\n{bad[0].log_text()[-2000:]}")
+
+
 def run_swarm(method: str, W: int, cfg: dict, seed: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
     """One swarm: bootstrap + W workers until every worker has done ``steps`` inner steps."""
     settings = [*COMMON, f"noloco.inner_steps={cfg['H']}", f"noloco.exit_after_steps={cfg['steps']}",
@@ -146,14 +159,7 @@ def run_swarm(method: str, W: int, cfg: dict, seed: int, workdir: Path, timeout_
         links = netem_links(peers, seed)
         workers = [swarm.start("noloco", name=n, extra_set=[f"noloco.compute_delay_s={d}", "netem.enabled=true", ln])
                    for n, d, ln in zip(names, ds, links)]
-        deadline = time.monotonic() + timeout_s
-        while any(w.alive() for w in workers):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{method} W={W}: workers still running after {timeout_s:.0f} s")
-            time.sleep(0.5)
-        bad = [w for w in workers if w.proc.returncode != 0]
-        if bad:
-            raise RuntimeError(f"{bad[0].name} exited {bad[0].proc.returncode}:\n{bad[0].log_text()[-2000:]}")
+        wait_finished(workers, timeout_s, f"{method} W={W}")
         per = [worker_figures(w, d) for w, d in zip(workers, ds)]
     blocked = sum(p["blocked_s"] for p in per)
     train = sum(p["train_s_after_round1"] for p in per)

@@ -33,6 +33,7 @@ rounding). The caller commits the residual only when the round's payload was del
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ def _blocks(n: int, block: int) -> int:
     return max(1, math.ceil(n / block))
 
 
-class Compressor:
+class Compressor(ABC):
     """One tensor <-> its wire parts; subclasses fix the format."""
 
     kind = ""
@@ -60,15 +61,17 @@ class Compressor:
             raise ValueError(f"block={block} must be >= 1")
         self.block = int(block)
 
-    def parts(self, numel: int) -> list[Part]:  # pragma: no cover - abstract
+    @abstractmethod
+    def parts(self, numel: int) -> list[Part]:
         """(suffix, dtype, shape) of each wire tensor for a tensor of ``numel`` values."""
-        raise NotImplementedError
 
-    def encode(self, x: Tensor) -> list[Tensor]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, x: Tensor) -> list[Tensor]:
+        """The wire parts of ``x`` (any shape, any float dtype)."""
 
-    def decode(self, parts: Sequence[Tensor], shape: Sequence[int]) -> Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, parts: Sequence[Tensor], shape: Sequence[int]) -> Tensor:
+        """fp32 tensor of ``shape`` from parts that passed :meth:`check`."""
 
     def check(self, parts: Sequence[Tensor], numel: int) -> None:
         """Raise ValueError (saying which part is wrong) unless ``parts`` could come from
