@@ -49,6 +49,12 @@ class CoordinatorWait:
         """Seconds the node has waited (0 while the coordinator answers)."""
         return max(0.0, (time.time() if now is None else now) - self.since) if self.waiting else 0.0
 
+    def begin(self, now: float | None = None) -> None:
+        """The node starts waiting for its coordinator now (its own start-up before that is not a
+        wait for the coordinator); a no-op once it answered."""
+        if not self.answered_once and self.waiting:
+            self.since = time.time() if now is None else now
+
     def found(self, peer_id: str) -> None:
         """The coordinator's card was read: it is known, not yet answering."""
         self.peer_id = peer_id

@@ -70,6 +70,7 @@ class CoordinatorLink:
 
     async def find(self) -> None:
         """Wait until a bootstrap's card names its gRPC address (read every second)."""
+        self.wait.begin()
         await self._changed()                  # `looking`: the role says so until the card is read
         while self.addr is None:
             try:

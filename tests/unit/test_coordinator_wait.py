@@ -28,9 +28,13 @@ def test_a_wait_starts_at_the_first_failure_after_an_answer_and_ends_at_the_next
 
 
 def test_a_node_that_never_reached_its_coordinator_waits_since_it_started():
-    w = cw.CoordinatorWait(PEER, now=50.0)                        # known in advance (token mode)
+    w = cw.CoordinatorWait(PEER, now=40.0)                        # known in advance (token mode)
+    w.begin(now=50.0)                                             # done building: it starts looking
     assert w.failed("DEADLINE_EXCEEDED: ", now=60.0) is False
     assert w.state == "unreachable" and w.since == 50.0 and w.waited_s(now=70.0) == 20.0
+    w.answered(now=80.0)
+    w.begin(now=90.0)                                             # no-op once it answered
+    assert w.since == 80.0
 
 
 def test_junk_card_values_are_ignored():
