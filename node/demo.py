@@ -253,6 +253,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("\nstopping (Ctrl-C): draining every node…", flush=True)
         failed = [w for w in workers if not w.alive() and w.proc.returncode not in (0, None)]
+        boot_lost = None if boot.alive() else boot.proc.returncode
         swarm.stop_all()
     summary = summarize(rows, n, time.monotonic() - t0, tuple(getattr(demo, "FIGURES", DEFAULT_FIGURES)) if training
                         else ())  # membership only: no training figures
@@ -273,6 +274,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for w in failed:
         print(f"error: {w.name} exited with {w.proc.returncode}: {first_error_line(w.log_text())}  "
               f"(full log: {w.log_path})", file=sys.stderr)
+    if boot_lost is not None:
+        print(f"error: the bootstrap exited with {boot_lost} during the demo: the nodes lost their entry point and "
+              f"coordinator (full log: {boot.log_path}; docs/operations.md, 'When the bootstrap is gone')",
+              file=sys.stderr)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "per_node"}))
-    return 1 if failed else 0
+    return 1 if failed or boot_lost is not None else 0
