@@ -126,6 +126,13 @@ class DhtConfig(_Section):
     """Give up (exit 4) when no initial peer answered for this long. None retries forever, which is
     right under an orchestrator that restarts on failure anyway."""
 
+    redial_s: float = Field(10.0, gt=0)
+    """Once joined, how often the node dials again those initial peers that are not in its routing
+    table (one dial each; none while they are there): a bootstrap that died and was restarted at
+    the same address is found again within this many seconds, and it finds the swarm through the
+    nodes that dial it. Lower it where the swarm must see a restarted bootstrap sooner; raise it
+    where many nodes list a bootstrap that is gone for good (each dials it this often)."""
+
     @field_validator("initial_peers")
     @classmethod
     def _peers(cls, v: list[str]) -> list[str]:

@@ -194,14 +194,34 @@ class Node:
                 return
             if not self.cfg.dht.initial_peers:
                 return  # a swarm's first node (the bootstrap) needs no peers to be ready
+            last_redial = time.monotonic()
             while True:
                 await asyncio.sleep(5.0)
+                if time.monotonic() - last_redial >= self.cfg.dht.redial_s:
+                    last_redial = time.monotonic()
+                    await self._redial()
                 if await self.membership.peer_count() == 0:
                     emit(log, "dht_no_peers", "routing table empty: re-bootstrapping", level=logging.WARNING)
                     self.membership.status.joined = False
                     self.membership.status.attempts = 0
                     await self._refresh_readiness()
                     break
+
+    async def _redial(self) -> None:
+        """Dial the initial peers missing from the routing table again (``dht.redial_s``): a
+        restarted bootstrap is found where it was; said when one answers again."""
+        assert self.membership is not None
+        try:
+            outcomes = await self.membership.redial_missing()
+        except Exception as exc:  # noqa: BLE001 - the next period retries
+            log.debug("redialling initial peers failed: %r", exc)
+            return
+        for maddr, outcome in outcomes.items():
+            if outcome == "ok":
+                emit(log, "initial_peer_back", "initial peer {maddr} answers again: back in the routing table",
+                     maddr=maddr)
+            else:
+                log.debug("initial peer %s still does not answer: %s", maddr, outcome)
 
     # ---- the async life ----
     async def run(self) -> int:

@@ -37,9 +37,10 @@ second). Its attributes:
 - optional ``COUNT_KEYS: tuple[str, ...]``: row keys that are counts (e.g. peers seen), shown
   as integers on the progress lines like ``steps`` and ``rounds`` (others: 3 decimals).
 
-Progress lines show a worker's state, not figures, until its first step. When every node has
-exited the demo stops at once; if one failed, it prints that node's first error line and exits
-non-zero.
+Progress lines show a worker's state, not figures, until its first step (and, for a node whose
+readiness says it waits for its coordinator, for how long: ``stage-0:joining (awaits
+coordinator 42 s)``). When every node has exited the demo stops at once; if one failed, it
+prints that node's first error line and exits non-zero.
 
 The default progress figures come from the role-neutral metrics (``swarmnode_train_*``,
 ``swarmnode_eval_*``, ``swarmnode_outer_rounds_total``). Without any demo module installed (or
@@ -119,6 +120,9 @@ def node_progress(node: NodeProc, demo: ModuleType | None = None) -> dict[str, A
            "rounds": _sum(m, "swarmnode_outer_rounds_total") if _m(m, "swarmnode_outer_rounds_total") is not None
            else None,  # None: the role has no outer rounds (e.g. a pipeline)
            "rounds_ok": _m(m, 'swarmnode_outer_rounds_total{outcome="ok"}')}
+    coordinator = ((r.get("details") or {}).get("coordinator") or {}) if r.get("reason") == "awaiting_coordinator" \
+        else {}
+    row["coordinator_wait_s"] = coordinator.get("waiting_s")   # None unless it waits for its coordinator
     for key, name in getattr(demo, "PROGRESS_METRICS", {}).items():
         row[key] = _sum(m, name) if _m(m, name) is not None else None
     done = _finished_event(node, demo.FINISHED_EVENT) if demo is not None and not node.alive() else None
@@ -173,7 +177,8 @@ def print_progress(rows: list[dict[str, Any]], t: float, columns: dict[str, str]
     parts = []
     for r in rows:
         if not r["steps"]:  # before the first step: its state, never "loss 0.000"
-            parts.append(f"{r['name']}:{r['state']}")
+            waits = r.get("coordinator_wait_s")
+            parts.append(f"{r['name']}:{r['state']}" + ("" if waits is None else f" (awaits coordinator {waits:.0f} s)"))
         else:
             figures = " ".join(f"{label} {_fmt(r.get(key), '.0f' if key in ints else '.3f')}"
                                for label, key in columns.items() if not (key == "rounds" and r.get(key) is None))
@@ -248,6 +253,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("\nstopping (Ctrl-C): draining every node…", flush=True)
         failed = [w for w in workers if not w.alive() and w.proc.returncode not in (0, None)]
+        boot_lost = None if boot.alive() else boot.proc.returncode
         swarm.stop_all()
     summary = summarize(rows, n, time.monotonic() - t0, tuple(getattr(demo, "FIGURES", DEFAULT_FIGURES)) if training
                         else ())  # membership only: no training figures
@@ -268,6 +274,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for w in failed:
         print(f"error: {w.name} exited with {w.proc.returncode}: {first_error_line(w.log_text())}  "
               f"(full log: {w.log_path})", file=sys.stderr)
+    if boot_lost is not None:
+        print(f"error: the bootstrap exited with {boot_lost} during the demo: the nodes lost their entry point and "
+              f"coordinator (full log: {boot.log_path}; docs/operations.md, 'When the bootstrap is gone')",
+              file=sys.stderr)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "per_node"}))
-    return 1 if failed else 0
+    return 1 if failed or boot_lost is not None else 0

@@ -34,9 +34,12 @@ ALLOWED: dict[State, set[State]] = {
 }
 
 READINESS_REASONS = ("dht_starting", "dht_start_failed", "dht_bootstrap_failed", "dht_no_peers",
-                     "role_init", "state_sync", "awaiting_assignment", "recovering", "ready", "draining", "offline")
+                     "role_init", "state_sync", "awaiting_assignment", "awaiting_coordinator", "recovering", "ready",
+                     "draining", "offline")
 # "recovering": the role rolled back a bad update (non-finite or out-of-bound) and is not ready
 # until a good step or a fresh state download (optimizers/noloco_role.py).
+# "awaiting_coordinator": the role cannot start before its coordinator (the bootstrap's service
+# that plans for it) answers, and it does not (node/coordinator_wait.py; the stage role).
 
 
 class LifecycleError(RuntimeError):

@@ -156,10 +156,12 @@ class LocalSwarm:
         return path, peer_id_str(key.public_key())
 
     def start(self, role: str, name: str | None = None, extra_set: list[str] | None = None,
-              initial_peers: list[str] | None = None, resume: bool = False) -> NodeProc:
+              initial_peers: list[str] | None = None, resume: bool = False,
+              ports: tuple[int, int, int] | None = None) -> NodeProc:
+        """Start a node; ``ports`` (DHT, gRPC, ops) to reuse a stopped node's, else free ones."""
         name = name or f"{role}-{len(self.nodes)}"
         identity, peer_id = self._identity(name)
-        dht_port, grpc_port, ops_port = free_port(), free_port(), free_port()
+        dht_port, grpc_port, ops_port = ports or (free_port(), free_port(), free_port())
         cmd = [sys.executable, "-m", "node.cli", "run", "--role", role, "--host", "127.0.0.1",
                "--dht-port", str(dht_port), "--grpc-port", str(grpc_port), "--metrics-port", str(ops_port),
                "--identity", str(identity), "--run-id", self.run_id,
@@ -181,6 +183,16 @@ class LocalSwarm:
         if role == "bootstrap" and self.bootstrap_maddr is None:
             self.bootstrap_maddr = f"/ip4/127.0.0.1/tcp/{dht_port}/p2p/{peer_id}"
         return node
+
+    def restart(self, node: NodeProc, extra_set: list[str] | None = None) -> NodeProc:
+        """Start a stopped node again as itself: the same name (key file, state_dir, log file,
+        appended to) and the same ports, so peers that knew it find it where it was. A bootstrap
+        starts with no initial peers, as it did first (the swarm's other nodes dial it)."""
+        if node.alive():
+            raise RuntimeError(f"{node.name} is still running (pid {node.pid}): stop or kill it first")
+        return self.start(node.role, name=node.name, extra_set=extra_set,
+                          initial_peers=[] if node.role == "bootstrap" else None,
+                          ports=(node.dht_port, node.grpc_port, node.ops_port))
 
     def wait_ready(self, nodes: list[NodeProc] | None = None, timeout: float = 60.0) -> float:
         """Block until every node's /readyz says ready; return the seconds waited."""

@@ -69,6 +69,12 @@ async def _dial_and_ping(maddrs: list[str], timeout: float, dht: Any, node: Any)
     return result
 
 
+async def _routing_peer_ids(dht: Any, node: Any) -> set[str]:
+    """The base58 peer IDs in the routing table."""
+    table = node.protocol.routing_table
+    return {pid.to_base58() for pid in (getattr(table, "peer_id_to_uid", {}) or {})}
+
+
 async def _probe(dht: Any, node: Any) -> tuple[int, dict[str, int]]:
     """Routing-table size and our validator's rejection counts."""
     table = node.protocol.routing_table
@@ -181,6 +187,20 @@ class Membership:
                                      return_future=True)
         return await asyncio.wait_for(asyncio.wrap_future(fut),
                                       self.cfg.dht.bootstrap_timeout_s * 2 + 5)
+
+    async def redial_missing(self) -> dict[str, str]:
+        """Dial and ping the initial peers that are not in the routing table (a bootstrap that
+        died and came back at the same address); maddr -> outcome, {} when none is missing."""
+        assert self.dht is not None
+        fut = self.dht.run_coroutine(_routing_peer_ids, return_future=True)
+        known = await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
+        missing = [p for p in self.cfg.dht.initial_peers
+                   if p.rsplit("/p2p/", 1)[-1] not in known and not p.endswith("/p2p/" + self.peer_id)]
+        if not missing:
+            return {}
+        fut = self.dht.run_coroutine(partial(_dial_and_ping, missing, self.cfg.dht.bootstrap_timeout_s),
+                                     return_future=True)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), self.cfg.dht.bootstrap_timeout_s * 2 + 5)
 
     async def wait_joined(self, timeout_s: float) -> bool:
         """Until the node has joined the swarm; False after `timeout_s` without. The daemon starts

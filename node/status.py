@@ -24,6 +24,8 @@ import urllib.request
 from collections import Counter
 from typing import Any
 
+from node import coordinator_wait
+
 
 class StatusError(Exception):
     exit_code = 4
@@ -64,6 +66,9 @@ def card_rows(views: list, now: float | None = None) -> list[dict[str, Any]]:
         hint = bus_reach_hint(c.details)
         if hint:
             rows[-1]["bus_hint"] = hint
+        waits = coordinator_wait.status_hint(c.details, now)
+        if waits:
+            rows[-1]["coordinator_hint"] = waits
     mark_banned(rows)
     mark_quarantined(rows)
     return rows
@@ -149,7 +154,8 @@ def _role_table(rows: list[dict[str, Any]], now: float | None = None) -> list[st
         for k in r:
             if k not in own and k not in head and k not in tail and k not in ("version", "uptime_s", "bus_hint", "banned_ids",
                                                                                  "grpo_banned_ids", "quarantined",
-                                                                                 "quarantined_why") \
+                                                                                 "quarantined_why", "coordinator_hint",
+                                                                                 coordinator_wait.CARD_DETAIL) \
                     and not k.endswith(TABLE_HIDDEN_SUFFIXES) \
                     and any(row.get(k) not in (None, False) for row in rows):
                 own.append(k)
@@ -161,6 +167,7 @@ def _role_table(rows: list[dict[str, Any]], now: float | None = None) -> list[st
     lines += ["  ".join(x.ljust(w) for x, w in zip(t, widths)).rstrip() for t in table]
     # under the table, not in it: a hint is a sentence
     lines += [f"{str(r['peer_id'])[:16]}…: {r['bus_hint']}" for r in rows if r.get("bus_hint")]
+    lines += [f"{str(r['peer_id'])[:16]}…: {r['coordinator_hint']}" for r in rows if r.get("coordinator_hint")]
     lines += [f"{str(r['peer_id'])[:16]}…: QUARANTINED by the schedule coordinator: {r['quarantined_why']}"
               for r in rows if r.get("quarantined_why")]
     return lines
@@ -212,7 +219,8 @@ class SwarmReader:
         except Exception as exc:  # noqa: BLE001 - hivemind raises several types here
             raise StatusError(f"could not join the swarm through {self.initial_peers}: "
                               f"{str(exc).strip()[:300]}. Check the multiaddr (as printed by `swarmnode bootstrap` "
-                              "or /peerinfo) and that the bootstrap is up") from None
+                              "or /peerinfo) and that the bootstrap is up; with the bootstrap down, pass any live node's multiaddr "
+                              "(the maddrs of its /peerinfo)") from None
         return self
 
     def read(self) -> list:

@@ -51,6 +51,7 @@ from node.logs import emit
 from node.netem import LinkSpec, NetemConfig
 from pipeline.cluster import Cluster, comm_matrix
 from pipeline.config import ScheduleConfig
+from pipeline.coordinator_state import load_epoch, save_epoch
 from pipeline.schedule import Schedule, ScheduleViolation, checkfree_plus_paths, validate_schedule
 from pipeline.search import plan
 from pipeline.loss_trend import LossTrend
@@ -215,6 +216,14 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
                                                                 self._quarantine)
         self.epoch = 0
+        # a restarted bootstrap goes on from the epoch it published last (pipeline/coordinator_state.py)
+        self.restored_epoch, why = load_epoch(ctx.config.state_dir, ctx.config.run_id)
+        if why:
+            emit(log, "schedule_state_unread", "{why}", level=logging.WARNING, why=why)
+        elif self.restored_epoch:
+            emit(log, "schedule_state_restored", "restarted coordinator: schedule epochs go on after {epoch}; it "
+                 "re-plans as soon as every stage has a node", epoch=self.restored_epoch)
+        self._save_error = ""
         self.replies: OrderedDict[int, pipeline_pb2.ScheduleReply] = OrderedDict()
         self.waiting_reason = "no stage node has published its card yet"
         self._changed = asyncio.Condition()
@@ -276,7 +285,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             missing = [s for s in range(self.cfg.stages) if not any(m[1] == s for m in members)]
             if missing:
                 self.waiting_reason = f"stages {missing} have no node yet ({len(members)} stage nodes seen)"
-            elif len(members) < self.cfg.expect_nodes and self.epoch == 0:   # only the first plan waits
+            elif len(members) < self.cfg.expect_nodes and self.epoch == 0 and not self.restored_epoch:
+                # only the run's first plan waits
                 self.waiting_reason = f"{len(members)} of the {self.cfg.expect_nodes} expected stage nodes are up"
             elif members != planned and (loop.time() - since >= self.cfg.settle_s or urgent):
                 # settle_s waits out churn; a quarantined replica goes at once (each iteration it stays
@@ -291,7 +301,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self._replan_now.clear()
 
     async def _plan(self, members: list[tuple]) -> None:
-        epoch = self.epoch + 1
+        epoch = max(self.epoch, self.restored_epoch) + 1
         try:
             sched, cluster = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
                                                      self.activation_bytes, epoch)
@@ -324,12 +334,26 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             while len(self.replies) > KEEP_EPOCHS:
                 self.replies.popitem(last=False)
             self._changed.notify_all()
+        self._save_epoch(epoch)
         emit(log, "schedule_published", "schedule epoch {epoch}: {nodes} nodes, {paths} paths, predicted makespan "
              "{expected_makespan:.3f} s ({method})", epoch=epoch, nodes=len(members), paths=len(sched.paths),
              expected_makespan=sched.expected_makespan, method=sched.method, sha256=reply.sha256,
              schedule=sched.to_dict(), expected_period=iteration_period(cluster, sched.paths, sched.partitions).period,
              cost_model={"compute": cluster.compute, "comm": cluster.comm, "memory": cluster.memory,
                          "latency": cluster.latency, "grad_s": cluster.grad_s})
+
+    def _save_epoch(self, epoch: int) -> None:
+        """Keep the published epoch on disk for a restart; an error is said once (the run goes on)."""
+        try:
+            save_epoch(self.ctx.config.state_dir, self.ctx.config.run_id, epoch)
+            self._save_error = ""
+        except OSError as exc:
+            if repr(exc) != self._save_error:
+                self._save_error = repr(exc)
+                emit(log, "schedule_state_unsaved", "cannot save the schedule epoch in state_dir ({error}); the run "
+                     "goes on, but a restarted bootstrap would count epochs from 1 again and its plans would be "
+                     "ignored: make state_dir writable (or point state_dir at a writable disk)",
+                     level=logging.ERROR, error=repr(exc), state_dir=str(self.ctx.config.state_dir))
 
     # ------------------------------------------------------------------ replica integrity (pipeline/replica_audits.py)
     def _quarantine(self, peer: str, stage: int, why: str) -> None:

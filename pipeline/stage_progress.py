@@ -51,6 +51,10 @@ class StageCard(TrainingCard):
     nonfinite: str | None = None
     """Non-finite tensors received in its last iterations, `<iteration>:<fwd|bwd>:<sender>`
     (pipeline/stage_evidence.py): the coordinator tells from them which node produces them."""
+    coordinator_wait: str | None = None
+    """Set only before the node's first schedule, while its coordinator does not answer:
+    `<coordinator peer ID or ?>@<unix seconds>` (node/coordinator_wait.py; `swarmnode status`
+    shows it). A running node does not publish it: its card is near the 16-detail limit."""
 
 
 class StageProgress:

@@ -56,6 +56,7 @@ import time
 from models.stages import stage_layer_ranges
 from node import metrics as NM
 from node.config import ConfigError
+from node.coordinator_wait import short
 from node.device import autocast
 from node.logs import emit
 from node.roles import Service, register
@@ -179,7 +180,9 @@ class StageRole(TrainingRole):
         coordinator = ctx.config.security.coordinator_peer_id
         self.net.service.register(EVIDENCE_CHANNEL, EvidenceServer(
             lambda: self.evidence, lambda sender: not coordinator or sender == coordinator).on_stream)
-        self.link = CoordinatorLink(ctx, self.net.pool, self._on_schedule)
+        self.link = CoordinatorLink(ctx, self._on_schedule, on_wait=self._coordinator_changed)
+        self._readiness = asyncio.Lock()      # the coordinator's heartbeat and the start-up both set it
+        self._awaiting_schedule = False       # from looking for the coordinator until READY
         self.embed = EmbedCopy(ctx, stage_recovery(ctx, settings, self.compute, self.link.status),
                                self.cfg.checkfree.embed_copy_every, self.update_card)
         self.stats = StageProgress()
@@ -264,6 +267,7 @@ class StageRole(TrainingRole):
             t.cancel()
         self.embed.cancel()
         await self.net.close()
+        await self.link.close()
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -289,15 +293,20 @@ class StageRole(TrainingRole):
         M.WEIGHTS_VERSION.set(self.ex.iteration)
         emit(self.log, "stage_started", "stage {stage} built on {device_kind} (cfg_hash {cfg_hash})",
              stage=self.cfg.index, cfg_hash=self.cfg_hash, **details)
+        self._awaiting_schedule = True
         await self.link.find()
         self._spawn("stage_schedule_watch", self.link.watch)
+        self._spawn("stage_coordinator_heartbeat", self.link.heartbeat)
         if self.cfg.index == 0:
             self._spawn("stage_suspension_watch", lambda: self.link.watch_suspension(lambda: self.stopping))
         await self.link.have_schedule.wait()
         await self._settle()
         self.stats.touch()
         self._tasks.append(self.ctx.supervisor.spawn("stage_watchdog", self._watchdog, restart=False))  # fails: exit 1
-        await self.ctx.set_role_ready(True, "ready", "")
+        async with self._readiness:
+            self._awaiting_schedule = False
+            self.update_card(StageCard(coordinator_wait=None), publish=True)
+            await self.ctx.set_role_ready(True, "ready", "")
         M.SCHEDULE_EPOCH.set(self.ex.epoch)
         if self.ex.is_origin(self.ex.schedules[self.ex.epoch]):
             await self.compute.run(self._start_data)
@@ -305,6 +314,23 @@ class StageRole(TrainingRole):
                 await self._start_eval()
             else:
                 await self._start_iteration()
+
+    async def _coordinator_changed(self) -> None:
+        """The coordinator started or stopped answering (pipeline/coordinator_link.py): a node with
+        no schedule yet says in its readiness and card what it waits for; a running one trains on
+        with its last schedule (`/readyz` `details.coordinator` and the log say it lost it)."""
+        async with self._readiness:
+            if not self._awaiting_schedule:
+                return
+            wait = self.link.wait
+            self.update_card(StageCard(coordinator_wait=wait.card_value()), publish=True)
+            if wait.waiting:
+                await self.ctx.set_role_ready(False, "awaiting_coordinator", wait.sentence())
+            else:
+                st = self.link.last_status
+                why = st.reason if st is not None and st.reason else "no schedule names this node yet"
+                await self.ctx.set_role_ready(False, "awaiting_assignment", f"the coordinator {short(wait.peer_id)} "
+                                              f"answers; waiting for a schedule that names this node ({why})")
 
     async def _take_stage(self) -> tuple[StageParts, int]:
         """(the stage's parts, the completed iteration they belong to): `stage.index` at its initial
