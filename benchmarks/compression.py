@@ -22,7 +22,15 @@ compressed one does not, so compressed NoLoCo rounds went solo more often (14 of
 at ``wait_fraction`` 1; 28 of 80 vs 0 at the default 0.25) and its loss trailed fp32 by 3.5-5%,
 an effect of pairing on a shared CPU rather than of the compression (at 76 of 76 paired the
 loss ratio was 1.0004). ``noloco.wait_fraction=1`` in every arm (fp32 too) for the same reason.
-What compression cannot remove stays in the compressed round (the link's 40 ms per message,
+Curves are on one clock per swarm (seconds since its first worker started training): a worker
+that joins late starts from a downloaded state and must not be counted as having it at 0 s.
+The wall-clock figure is noisy at this scale: the loss reaches a plateau within the run, and the
+time to the worse arm's final loss is then decided by a loss gap of 1-2% (per seed 0.29-0.64 for
+one setting). A cosine schedule that ends with the run (``--set noloco.inner.total_steps=200``)
+does not help: it flattens the end of both curves further (worst ratio 0.57 instead of 0.50).
+The time per inner step is the steadier measure of what compression saves (``train_s_mean``
+per arm, compressed / fp32, six seeds over the two full runs: 0.39-0.49 for NoLoCo, 0.34-0.42
+for DiLoCo). What compression cannot remove stays in the compressed round (the link's 40 ms per message,
 card reads, the evaluation). ``--quick``: 120 inner steps, seed 0, the two best settings; the
 full run: 200 inner steps, 3 seeds, and the sweep at seed 0 (26 swarms).
 
@@ -66,6 +74,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -246,6 +255,21 @@ def sweep_markdown(rows: Sequence[dict]) -> str:
 
 
 # ---------------------------------------------------------------- processes
+def _epoch_s(ts: str) -> float:
+    """A log record's ``ts`` (``2026-05-01T12:00:00.123Z``, UTC) in seconds since the epoch."""
+    return datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+
+
+def on_common_clock(per: list[dict], starts: Sequence[str]) -> list[dict]:
+    """Shift each worker's ``eval_curve`` (seconds since ITS ``training_started``) onto one clock:
+    seconds since the first worker of the swarm started training. A worker that joins late
+    (it downloaded a partner's state) then shows its first, already trained, evaluation when it
+    made it, not at 0 s, which would credit the swarm with loss it had not reached yet."""
+    t = [_epoch_s(s) for s in starts]
+    return [dict(p, eval_curve=[(x + ti - min(t), v) for x, v in p["eval_curve"]], start_offset_s=ti - min(t))
+            for p, ti in zip(per, t)]
+
+
 def count_params(model: dict[str, Any]) -> int:
     """Parameters the exchange carries for the ``model.*`` settings (tied weights once)."""
     from models.config import ModelConfig
@@ -274,7 +298,8 @@ def run_arm(outer: str, setting: str, cfg: dict, seed: int, workdir: Path, keys:
             if not (keys / f"{n}.key").exists():
                 shutil.copy2(workdir / f"{n}.key", keys / f"{n}.key")
         wait_finished(workers, cfg["timeout_s"], f"{outer} {setting}")
-        per = [worker_figures(w, 0.0) for w in workers]
+        per = on_common_clock([worker_figures(w, 0.0) for w in workers],
+                              [records(w, "training_started")[-1]["ts"] for w in workers])
         rounds = [r for w in workers for r in records(w, "averaging_round_done")]
     for p in per:
         p.pop("compute_delay_s", None)  # no artificial delay here

@@ -172,11 +172,13 @@ def run_swarm(method: str, W: int, cfg: dict, seed: int, workdir: Path, timeout_
 
 
 def mean_curve(per: list[dict]) -> list[tuple[float, float]]:
-    """Workers' mean validation loss over wall-clock: each worker holds its latest evaluation."""
+    """Workers' mean validation loss over wall-clock: each worker holds its latest evaluation
+    (a worker whose curve starts later, on a common clock, counts from its first evaluation)."""
     times = sorted({t for p in per for t, _ in p["eval_curve"]})
     out = []
     for t in times:
-        vals = [next(v for tt, v in reversed(p["eval_curve"]) if tt <= t) for p in per]
+        vals = [v for v in (next((v for tt, v in reversed(p["eval_curve"]) if tt <= t), None) for p in per)
+                if v is not None]
         out.append((t, statistics.fmean(vals)))
     return out
 

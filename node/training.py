@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from abc import ABCMeta, abstractmethod
 from typing import Any, ClassVar, Iterable, Mapping
 
@@ -210,6 +211,8 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
     async def train(self) -> None:
         """``setup()``, then rounds until stopped or ``exit_after`` is reached, then ``finish()``."""
         await self.setup()
+        if self.checkpoints_on():
+            await self.compute.run(self.check_checkpoint_dir)
         round_task = f"{self.name}_round"
         while not self.stopping:
             self._round = self.ctx.supervisor.spawn(round_task, self.one_round, restart=False)
@@ -282,8 +285,6 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
             if self.checkpoints_on() and self.progress() > 0:
                 if idle:
                     await self.compute.run(self.final_checkpoint)
-                    emit(self.log, "checkpoint_written", "checkpoint written at {progress_key} {progress}",
-                         progress_key=self.progress_key, progress=self.progress())
                 else:
                     emit(self.log, "checkpoint_skipped", "compute thread still busy: no final checkpoint",
                          level=logging.WARNING)
@@ -326,8 +327,25 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
         return self.checkpoint_format is not None and bool(self.cfg.checkpoint_every)
 
     def save_checkpoint(self) -> None:
-        """Compute thread: write :meth:`parts` and :meth:`checkpoint_meta` atomically."""
-        self.checkpoints.save(self.parts(), self.checkpoint_meta())
+        """Compute thread: write :meth:`parts` and :meth:`checkpoint_meta` atomically; logs
+        ``checkpoint_written`` with the file and its digest (a resume logs the digest it loaded)."""
+        ckpt = self.checkpoints
+        path = ckpt.save(self.parts(), self.checkpoint_meta())
+        emit(self.log, "checkpoint_written", "checkpoint written at {progress_key} {progress}",
+             progress_key=self.progress_key, progress=self.progress(), path=str(path), digest=ckpt.last_digest)
+
+    async def write_checkpoint(self) -> bool:
+        """A checkpoint now, on the compute thread. A write that fails for the disk (full, not
+        writable, gone) is logged as ``checkpoint_failed`` with what to do and the node trains
+        on: the previous checkpoints stay as they were. False then."""
+        try:
+            await self.compute.run(self.save_checkpoint)
+        except OSError as exc:
+            emit(self.log, "checkpoint_failed", "checkpoint not written to {dir}: {error}; training goes on and "
+                 "the previous checkpoints are kept. Free space there or point state_dir at a writable disk",
+                 level=logging.ERROR, dir=str(self.checkpoints.dir), error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
 
     async def checkpoint_if_due(self, count: int | None = None) -> bool:
         """A checkpoint every ``checkpoint_every`` (``count``: default :meth:`cadence`); the
@@ -335,7 +353,25 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
         count = self.cadence() if count is None else count
         if not (self.checkpoints_on() and count > 0 and count % self.cfg.checkpoint_every == 0):
             return False
-        await self.compute.run(self.save_checkpoint)
+        await self.write_checkpoint()
+        return True
+
+    def check_checkpoint_dir(self) -> bool:
+        """Compute thread, at start when checkpoints are on: can this node write its checkpoint
+        directory? If not, say so now (``checkpoint_dir_unwritable``) rather than at the first
+        checkpoint; the node trains on without checkpoints."""
+        d = self.checkpoints.dir
+        probe = d / f".write-probe.{os.getpid()}"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            emit(self.log, "checkpoint_dir_unwritable", "cannot write checkpoints to {dir} ({error}): this node "
+                 "trains without them and a restart starts from a peer's state or fresh. Point state_dir at a "
+                 "writable directory (or set checkpoint_every = 0 to silence this)", level=logging.ERROR,
+                 dir=str(d), error=f"{type(exc).__name__}: {exc}")
+            return False
         return True
 
     def load_checkpoint(self) -> dict[str, Any] | None:
@@ -351,6 +387,9 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
             if lacking:
                 raise CheckpointError(f"checkpoint {state['path']} lacks metadata {lacking}; it was not loaded",
                                       "incomplete")
+            for path, error in state["skipped"]:
+                emit(self.log, "checkpoint_skipped", "newer checkpoint {path} not used: {error}", level=logging.WARNING,
+                     path=path, error=error)
             ckpt.apply(state, self.parts())
         except CheckpointError as exc:
             emit(self.log, "checkpoint_mismatch" if exc.reason == "mismatch" else "checkpoint_corrupt",
@@ -358,7 +397,7 @@ class TrainingRole(RoleBase, metaclass=ABCMeta):
             return None
         self.restore(state["meta"])
         emit(self.log, "resume", "resumed from checkpoint at {progress_key} {progress}", source="checkpoint",
-             progress_key=self.progress_key, progress=self.progress(), path=state["path"])
+             progress_key=self.progress_key, progress=self.progress(), path=state["path"], digest=state["digest"])
         return state["meta"]
 
     async def resume(self) -> dict[str, Any] | None:

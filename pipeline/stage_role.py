@@ -235,7 +235,7 @@ class StageRole(TrainingRole):
             return True
         if not (self.cfg.exit_after and self.progress() == self.cfg.exit_after):
             return False
-        await self.compute.run(self.save_checkpoint)
+        await self.write_checkpoint()
         return True
 
     def snapshot(self) -> StateSnapshot:

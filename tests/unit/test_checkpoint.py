@@ -151,3 +151,55 @@ def test_save_refuses_part_without_state_dict(tmp_path):
         _ck(tmp_path).save(parts, {"round": 1})
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".pt") or p.endswith(".tmp")]
     assert isinstance(_parts()["model"], checkpoint.Stateful)
+
+
+def test_state_digest_is_content_only_and_sees_one_changed_byte():
+    a = {"b": [torch.arange(6, dtype=torch.float32).reshape(2, 3)], "a": {"step": torch.tensor(3.0), "lr": 0.1}}
+    b = {"a": {"lr": 0.1, "step": torch.tensor(3.0)}, "b": [torch.arange(6, dtype=torch.float32).reshape(2, 3)]}
+    assert checkpoint.state_digest(a) == checkpoint.state_digest(b)  # key order, tensor identity: no matter
+    b["b"][0].view(-1).view(torch.uint8)[5] ^= 1  # one bit of one float
+    assert checkpoint.state_digest(a) != checkpoint.state_digest(b)
+    assert checkpoint.state_digest({"x": torch.zeros(2, 3)}) != checkpoint.state_digest({"x": torch.zeros(3, 2)})
+    assert checkpoint.state_digest({"x": torch.zeros(2)}) != checkpoint.state_digest({"x": torch.zeros(2).half()})
+    assert checkpoint.state_digest({"x": torch.ones(2).bfloat16(), "f": True})  # every dtype hashes
+
+
+def test_a_file_changed_after_it_was_written_fails_its_digest(tmp_path):
+    path = _ck(tmp_path).save(_parts(), {"round": 7})
+    state = torch.load(path, weights_only=True)
+    state["parts"]["model"]["weight"][0, 0] += 1.0  # loads fine, but is not what was written
+    torch.save(state, path)
+    back = _blank()
+    before = back["model"].weight.clone()
+    with pytest.raises(CheckpointError, match="digest"):
+        _ck(tmp_path).load(back)
+    assert torch.equal(back["model"].weight, before)
+
+
+def test_the_newest_usable_checkpoint_is_read_past_damaged_newer_ones(tmp_path):
+    ck = _ck(tmp_path, keep=3)
+    digests = []
+    for r in range(3):
+        ck.save(_parts(r), {"round": r})
+        digests.append(ck.last_digest)
+    files = ck.files()
+    files[2].write_bytes(b"\x00" * 64)  # newest: garbage
+    files[1].write_bytes(files[1].read_bytes()[:-10])  # next: truncated
+    state = ck.read()
+    assert state["meta"] == {"round": 0} and state["digest"] == digests[0]
+    assert [p for p, _ in state["skipped"]] == [str(files[2]), str(files[1])]
+    files[0].write_bytes(b"")
+    with pytest.raises(CheckpointError, match="older checkpoint"):
+        ck.read()
+
+
+def test_temp_files_of_a_killed_writer_are_removed_by_the_next_save(tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".ckpt-00000002.pt.{int(dead.stdout)}.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    live = tmp_path / f".ckpt-00000002.pt.{os.getppid()}.tmp"  # a writer still running: left alone
+    live.write_bytes(b"in progress")
+    _ck(tmp_path).save(_parts(), {"round": 1})
+    assert not stale.exists() and live.exists()

@@ -136,3 +136,18 @@ def test_arm_settings_and_plan():
     assert {s for o, s, k in full if o == "diloco" and k == 0} == set(bench.SETTINGS)
     only = bench.plan(bench.QUICK, 1, {"noloco-int8_b128"})
     assert only == [("noloco", "fp32", 0), ("noloco", "int8_b128", 0)]
+
+
+def test_curves_go_on_one_clock_from_the_first_worker_to_start():
+    # w1 started 2.5 s after w0 from a downloaded state (loss 3.1 at its own 0 s)
+    per = [_worker(2.9, [(0.0, 5.2), (1.0, 3.3), (4.0, 2.9)]), _worker(2.9, [(0.0, 3.1), (1.5, 2.9)])]
+    shifted = bench.on_common_clock(per, ["2026-12-06T10:00:00.000Z", "2026-12-06T10:00:02.500Z"])
+    assert shifted[0]["eval_curve"] == per[0]["eval_curve"]
+    assert shifted[1]["eval_curve"] == [(pytest.approx(2.5), 3.1), (pytest.approx(4.0), 2.9)]
+    assert [p["start_offset_s"] for p in shifted] == [0.0, pytest.approx(2.5)]
+    # on one clock the swarm starts at w0's 5.2 and reaches a mean of 3.2 at 2.5 s; on the workers'
+    # own clocks it would have had 4.15 at 0 s, before anyone had trained
+    from benchmarks.noloco_swarm import mean_curve
+    assert dict(mean_curve(shifted))[0.0] == pytest.approx(5.2)
+    assert dict(mean_curve(shifted))[2.5] == pytest.approx((3.3 + 3.1) / 2)
+    assert dict(mean_curve(per))[0.0] == pytest.approx((5.2 + 3.1) / 2)

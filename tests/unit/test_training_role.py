@@ -246,6 +246,57 @@ async def test_a_checkpoint_without_the_counters_is_not_loaded(tmp_path, caplog)
         r.compute.close()
 
 
+async def test_resume_skips_a_damaged_newest_checkpoint_for_the_one_before(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    a = _role(tmp_path, checkpoint_every=1)
+    for rounds in (3, 5):
+        a.rounds = rounds
+        await a.compute.run(a.save_checkpoint)
+    written = {r._fields["progress"]: r._fields["digest"] for r in _events(caplog, "checkpoint_written")}
+    assert set(written) == {3, 5} and written[3] != written[5]
+    newest = a.checkpoints.files()[-1]
+    newest.write_bytes(newest.read_bytes()[:-100])  # the end of the newest file is lost
+    b = _role(tmp_path)
+    assert await b.resume() == {"round": 3} and b.rounds == 3
+    assert _events(caplog, "resume")[-1]._fields["digest"] == written[3]  # exactly the file written at 3
+    assert _events(caplog, "checkpoint_skipped")[0]._fields["path"] == str(newest) and newest.exists()
+    for r in (a, b):
+        r.compute.close()
+
+
+async def test_a_failed_checkpoint_write_is_said_and_training_goes_on(tmp_path, caplog, monkeypatch):
+    r = _role(tmp_path, checkpoint_every=1)
+    r.rounds = 2
+    await r.compute.run(r.save_checkpoint)
+    good = r.checkpoints.files()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    await r.start()
+    await _until(lambda: r.rounds >= 6 and len(_events(caplog, "checkpoint_failed")) >= 3)
+    failed = _events(caplog, "checkpoint_failed")[0]
+    assert failed.levelno == logging.ERROR and "No space left" in failed._fields["error"]
+    assert "point state_dir at a writable disk" in failed.getMessage()
+    assert r.checkpoints.files() == good and not list(tmp_path.glob(".*.tmp"))  # the last good one kept
+    await r.drain(1.0)
+    assert r.ctx.supervisor.failed is None
+
+
+async def test_an_unwritable_checkpoint_dir_is_said_at_start(tmp_path, caplog):
+    (tmp_path / "a-file").write_text("not a directory")
+    r = _role(tmp_path / "a-file" / "state", checkpoint_every=1)  # fails for root too
+    await r.start()
+    await _until(lambda: r.rounds >= 2)
+    ev = _events(caplog, "checkpoint_dir_unwritable")
+    assert len(ev) == 1 and ev[0].levelno == logging.ERROR and "a-file" in ev[0]._fields["dir"]
+    await r.drain(1.0)
+    r = _role(tmp_path / "fine", checkpoint_every=1)
+    assert await r.compute.run(r.check_checkpoint_dir) and not list((tmp_path / "fine").iterdir())
+    r.compute.close()
+
+
 def test_snapshot_serves_the_model_part_with_the_progress(tmp_path):
     r = _role(tmp_path)
     r.rounds = 2
