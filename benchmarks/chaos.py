@@ -242,6 +242,7 @@ class Soak:
         self.down: dict[str, list[list[float | None]]] = {}     # name -> [[kill_t, restart_t]]
         self.pending: list[tuple[float, str, str]] = []          # (at, action, name)
         self.all_procs: list[NodeProc] = []
+        self.unexpected: list[dict] = []                         # nodes that exited on their own
 
     def start(self, role: str, name: str, extra: list[str]) -> NodeProc:
         self.extra[name] = extra
@@ -389,6 +390,19 @@ def chaos_loop(soak: Soak, workers: list[str], stages: list[str], t0: float) -> 
                 n = soak.restart(name)
                 soak.down[name][-1][1] = time.time()
                 soak.log("link_flap_end", name, pid=n.pid, how="restart without netem")
+        # a node that exited on its own (not killed by us): logged, then restarted as a supervisor
+        # (systemd Restart=on-failure) would; its time without progress counts as a stall
+        busy = {p[2] for p in soak.pending} | {"bootstrap"}
+        for name, n in list(soak.current.items()):
+            if name not in busy and not n.alive():
+                soak.log("exited_unexpectedly", name, pid=n.pid, returncode=n.proc.returncode,
+                         log_tail=[ln[:300] for ln in n.log_text().splitlines()[-40:]
+                                   if '"level": "error"' in ln or "pipeline_stuck" in ln or "Traceback" in ln][-5:])
+                flapped.pop(name, None)
+                soak.extra[name] = [x for x in soak.extra[name] if not x.startswith("netem.")]
+                m = soak.restart(name)
+                soak.unexpected.append({"node": name, "t": time.time(), "returncode": n.proc.returncode})
+                soak.log("restarted", name, pid=m.pid, why="exited on its own")
         # the coordinator, once
         if "killed" not in coord and now >= coord["kill_at"]:
             boot = soak.current["bootstrap"]
@@ -451,7 +465,9 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
             seen.append(first_after(ts_back, coord["restarted"]))
         if all(x is not None for x in seen):
             takeover = max(seen) - coord["killed"]
-        outage = [(coord["killed"], coord["killed"] + takeover if takeover is not None else t_end)]
+        # never seen again: only the deliberate outage is excluded (not seeing the restarted
+        # coordinator is the failure, not an excuse)
+        outage = [(coord["killed"], coord["killed"] + takeover if takeover is not None else coord["restarted"])]
     elif "killed" in coord:
         outage = [(coord["killed"], t_end)]
     per_node: dict[str, Any] = {}
@@ -534,6 +550,7 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
         },
         "coordinator": {k: (round(v, 2) if isinstance(v, float) else v) for k, v in coord.items()},
         "events": soak.events,
+        "unexpected_exits": soak.unexpected,
         "freeze_windows": soak.freeze_windows,
         "down_windows": soak.down,
         "per_node": per_node,
