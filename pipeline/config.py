@@ -311,5 +311,11 @@ class StageConfig(RunSettings):
     only. "off" = honest."""
 
     iteration_timeout_s: float = Field(300.0, gt=0)
-    """An iteration that makes no progress for this long is logged as stuck (with what it still
-    waits for) and the node drains; check the peers named in the log."""
+    """An iteration that makes no progress for this long is logged as stuck (`pipeline_stuck`, with
+    what it still waits for); the node waits one more timeout for a new plan, then exits 1; check
+    the peers named in the log."""
+
+    coordinator_outage_s: float = Field(900.0, ge=0)
+    """A stuck node whose coordinator does not answer waits this long for it (or a standby) to come
+    back and re-plan, instead of exiting (`pipeline_stuck` with `action` `wait_for_coordinator`);
+    then it exits 1. Raise it when a bootstrap restart can take longer; 0 = exit at once."""

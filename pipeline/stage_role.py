@@ -18,7 +18,8 @@ This module owns the node's policy:
   in arrival order, until it steps; one the executor cannot use (wrong shape) is answered with an
   `err` on its stream, never a crash; stale/unknown ones are dropped and counted
   (`swarmnode_pipeline_dropped_total{reason}`); the watchdog drains a node whose iteration makes
-  no progress for `stage.iteration_timeout_s` (unless the coordinator suspended the schedule);
+  no progress for `stage.iteration_timeout_s` (unless the coordinator suspended the schedule, or
+  does not answer: then it waits up to `stage.coordinator_outage_s` for it to come back);
 - the stage's layers live on the configured device (forward passes under its autocast; fp16 is
   refused, a pipeline would need one loss scale across stages);
 - its card (`StageCard`) carries `stage`, `memory`, `compute_ms` (its measured forward time plus
@@ -565,11 +566,14 @@ class StageRole(TrainingRole):
             await self._start_iteration()
 
     async def _watchdog(self) -> None:
-        """No step for `stage.iteration_timeout_s`: a suspended schedule waits; else the node waits
-        once for a new plan (the coordinator drops a node that stalls its plan and re-plans,
-        `schedule.stall_s`); when none came, or the coordinator does not answer, it gives up and
-        exits 1 (`pipeline_stuck` says which): a stuck pipeline is a failure, never a clean exit."""
+        """No step for `stage.iteration_timeout_s`: a suspended schedule waits; a coordinator that
+        does not answer is waited for up to `stage.coordinator_outage_s` (it re-plans when it is
+        back); else the node waits once for a new plan (the coordinator drops a node that stalls
+        its plan and re-plans, `schedule.stall_s`); when none came, or the coordinator stayed away,
+        it gives up and exits 1 (`pipeline_stuck` says which): a stuck pipeline is a failure, never
+        a clean exit."""
         waited_on: int | None = None          # the schedule epoch this node already waited past once
+        unanswered_since: float | None = None  # when the coordinator stopped answering this watchdog
         while not self.stopping:
             await asyncio.sleep(min(5.0, self.cfg.iteration_timeout_s / 4))
             if time.monotonic() - self.stats.last_step <= self.cfg.iteration_timeout_s or self.stopping:
@@ -579,6 +583,22 @@ class StageRole(TrainingRole):
             except Exception as exc:  # noqa: BLE001 - no answer: treat as stuck
                 st = None
                 self.log.info("coordinator status unavailable: %r", exc)
+            if st is None:
+                now = time.monotonic()
+                unanswered_since = now if unanswered_since is None else unanswered_since
+                if now - unanswered_since < self.cfg.coordinator_outage_s:
+                    emit(self.log, "pipeline_stuck", "iteration {iteration} made no progress for {timeout_s:.0f} s; "
+                         "waiting for: {waiting_for}; the coordinator does not answer: waiting for it to come back "
+                         "and re-plan ({outage_s:.0f} s of stage.coordinator_outage_s={limit_s:.0f} s; restart the "
+                         "bootstrap with its key file, or start a standby)", level=logging.WARNING,
+                         iteration=self.ex.iteration, timeout_s=self.cfg.iteration_timeout_s,
+                         waiting_for=self.ex.waiting_for(), epoch=self.ex.latest_epoch,
+                         action="wait_for_coordinator", exit_code=None, outage_s=now - unanswered_since,
+                         limit_s=self.cfg.coordinator_outage_s)
+                    self.stats.touch()
+                    continue
+            else:
+                unanswered_since = None
             if st is not None and st.suspended:
                 emit(self.log, "pipeline_suspended", "iteration {iteration} waits: the coordinator suspended the "
                      "schedule ({reason}); start a replacement with stage.checkfree.recover=true",
@@ -593,8 +613,9 @@ class StageRole(TrainingRole):
                  waiting_for=self.ex.waiting_for(), epoch=self.ex.latest_epoch,
                  action="wait_for_plan" if wait else "exit", exit_code=None if wait else 1,
                  action_text=("waiting one more timeout for the coordinator to drop the stalling node and re-plan"
-                              if wait else "no new plan came" if st is not None else "the coordinator does not "
-                              "answer" ) + ("" if wait else "; giving up (exit 1)"))
+                              if wait else "no new plan came" if st is not None else "the coordinator did not "
+                              f"answer for stage.coordinator_outage_s={self.cfg.coordinator_outage_s:.0f} s"
+                              ) + ("" if wait else "; giving up (exit 1)"))
             if wait:
                 waited_on = self.ex.latest_epoch
                 self.stats.touch()
