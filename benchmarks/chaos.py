@@ -46,6 +46,10 @@ noloco worker, ``stage_step`` for a stage), losses, checkpoints written and resu
   coordinator_takeover_s   from the coordinator's SIGKILL until every stage sees a coordinator
                            again (``coordinator_back`` or a new ``schedule_adopted``) after
                            the restart; it includes the deliberate 20-40 s outage  target <= 30
+  coordinator_back_after_restart_s  the same from the restart: how long the swarm took to find
+                           the restarted coordinator (redial, ``coordinator_back``)     reported
+  corrupt_checkpoints_loaded counts only ``resume`` records with ``source`` "checkpoint" (a
+                           joiner that downloaded a peer's state loaded no checkpoint)
 The slopes from a --quick run (incarnations of 1-2 minutes) are dominated by start-up growth
 and noise; only the 30-minute run measures a leak.
 
@@ -157,6 +161,12 @@ def worst_growth(segments: Iterable[Sequence[tuple[float, float]]], warmup_s: fl
         if s is not None and (best is None or s > best):
             best = s
     return best
+
+
+def checkpoint_resumes(records: Iterable[dict]) -> list[dict]:
+    """``resume`` records of a node that loaded its own checkpoint (``source`` "checkpoint"); a
+    joiner that downloaded a peer's state (``source`` "peer") loaded no checkpoint."""
+    return [r for r in records if r.get("event") == "resume" and r.get("source") == "checkpoint"]
 
 
 def corrupt_resumes(written: Iterable[str], resumed: Iterable[str]) -> list[str]:
@@ -454,7 +464,7 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
             stages: list[str]) -> dict[str, Any]:
     recs = {name: log_records(n) for name, n in soak.current.items()}   # logs are appended across restarts
     # coordinator outage as the stages saw it
-    takeover = None
+    takeover = back_after_restart = None
     outage: list[tuple[float, float]] = []
     if "restarted" in coord:
         seen = []
@@ -465,6 +475,7 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
             seen.append(first_after(ts_back, coord["restarted"]))
         if all(x is not None for x in seen):
             takeover = max(seen) - coord["killed"]
+            back_after_restart = max(seen) - coord["restarted"]
         # never seen again: only the deliberate outage is excluded (not seeing the restarted
         # coordinator is the failure, not an excuse)
         outage = [(coord["killed"], coord["killed"] + takeover if takeover is not None else coord["restarted"])]
@@ -489,7 +500,7 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
     digests_bad: dict[str, list[str]] = {}
     for name, rs in recs.items():
         bad = corrupt_resumes([r.get("digest") for r in rs if r.get("event") == "checkpoint_written"],
-                              [r.get("digest") for r in rs if r.get("event") == "resume"])
+                              [r.get("digest") for r in checkpoint_resumes(rs)])
         if bad:
             digests_bad[name] = bad
     nonfinite = {name: nonfinite_losses(rs) for name, rs in recs.items()}
@@ -513,8 +524,8 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
         per_node[name] = {"role": soak.current[name].role, "max_stall_s": round(stalls[name], 1),
                           "rejoin_s": rejoin[name], "progress_records": len(progress_times(rs, soak.current[name].role)),
                           "checkpoints_written": sum(r.get("event") == "checkpoint_written" for r in rs),
-                          "resumes": [{"digest": r.get("digest"), "progress": r.get("progress")} for r in rs
-                                      if r.get("event") == "resume"],
+                          "resumes": [{"digest": r.get("digest"), "progress": r.get("progress"),
+                                       "source": r.get("source")} for r in rs if r.get("event") == "resume"],
                           "checkpoint_problems": [r for r in rs if r.get("event") in
                                                   ("checkpoint_skipped", "checkpoint_corrupt", "checkpoint_mismatch",
                                                    "checkpoint_failed")],
@@ -526,6 +537,7 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
         "nonfinite_losses": sum(len(v) for v in nonfinite.values()),
         "corrupt_checkpoints_loaded": sum(len(v) for v in digests_bad.values()),
         "coordinator_takeover_s": None if takeover is None else round(takeover, 1),
+        "coordinator_back_after_restart_s": None if back_after_restart is None else round(back_after_restart, 1),
     }
     summary["targets"] = dict(TARGETS)
     summary["targets_met"] = {k: (summary[k] is not None and summary[k] <= t) for k, t in TARGETS.items()}

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from benchmarks.chaos import (corrupt_resumes, max_stall, merge_windows, nonfinite_losses, slope_per_hour,
-                              worst_growth)
+from benchmarks.chaos import (checkpoint_resumes, corrupt_resumes, max_stall, merge_windows, nonfinite_losses,
+                              slope_per_hour, worst_growth)
 
 
 def test_merge_windows_joins_overlaps_and_drops_empty_ones():
@@ -51,6 +51,16 @@ def test_worst_growth_skips_the_warmup_and_short_segments():
 def test_corrupt_resumes_are_digests_never_written():
     assert corrupt_resumes(["a", "b"], ["b", "a"]) == []
     assert corrupt_resumes(["a"], ["a", "x", None]) == ["x", None]
+
+
+def test_only_resumes_from_a_checkpoint_are_checked_against_written_digests():
+    recs = [{"event": "resume", "source": "peer", "digest": None},          # a joiner's download
+            {"event": "checkpoint_written", "digest": "a"},
+            {"event": "resume", "source": "checkpoint", "digest": "a"},
+            {"event": "resume", "source": "checkpoint", "digest": "z"}]
+    resumed = [r["digest"] for r in checkpoint_resumes(recs)]
+    assert resumed == ["a", "z"]
+    assert corrupt_resumes([r["digest"] for r in recs if r["event"] == "checkpoint_written"], resumed) == ["z"]
 
 
 def test_nonfinite_losses_finds_nan_and_inf_in_loss_fields_only():
