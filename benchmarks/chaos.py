@@ -76,6 +76,7 @@ from typing import Any
 if __package__ in (None, ""):  # allow `python benchmarks/chaos.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.node_startup import tree as descendants  # noqa: E402  (the pid and every descendant)
 from node.localswarm import LocalSwarm, NodeProc  # noqa: E402
 
 TARGETS = {"max_stall_s": 60.0, "rss_growth_mb_per_hour": 50.0, "fd_growth_per_hour": 10.0,
@@ -205,23 +206,6 @@ def log_records(node: NodeProc) -> list[dict]:
                 out.append(json.loads(line))
             except ValueError:
                 continue
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """The pid and every descendant (from /proc/PID/task/*/children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                try:
-                    todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-                except OSError:
-                    pass
-        except OSError:
-            pass
     return out
 
 

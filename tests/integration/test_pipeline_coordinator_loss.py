@@ -42,6 +42,16 @@ def start_stages(swarm: LocalSwarm) -> list[NodeProc]:
     return [swarm.start("stage", name=f"s{s}", extra_set=[f"stage.index={s}"]) for s in range(3)]
 
 
+def running_pipeline(swarm: LocalSwarm) -> tuple[NodeProc, list[NodeProc]]:
+    """A READY bootstrap and 3 READY stage nodes that made 5 steps each."""
+    boot = swarm.start("bootstrap", name="bootstrap")
+    swarm.wait_ready([boot], timeout=90)
+    stages = start_stages(swarm)
+    swarm.wait_ready(stages, timeout=240)
+    wait_for(lambda: all(len(steps(n)) >= 5 for n in stages), 120, "5 steps on every stage")
+    return boot, stages
+
+
 def steps(node: NodeProc) -> list[dict]:
     return events(node, "stage_step")
 
@@ -52,11 +62,7 @@ def coordinator(node: NodeProc) -> dict:
 
 def test_a_running_pipeline_keeps_iterating_after_the_bootstrap_is_killed(tmp_path):
     with LocalSwarm(run_id=RUN, workdir=tmp_path, common_set=settings()) as swarm:
-        boot = swarm.start("bootstrap", name="bootstrap")
-        swarm.wait_ready([boot], timeout=90)
-        stages = start_stages(swarm)
-        swarm.wait_ready(stages, timeout=240)
-        wait_for(lambda: all(len(steps(n)) >= 5 for n in stages), 120, "5 steps on every stage")
+        boot, stages = running_pipeline(swarm)
         assert all(coordinator(n).get("state") == "answering" for n in stages), [coordinator(n) for n in stages]
         epoch = max(e["epoch"] for e in events(boot, "schedule_published"))
 
@@ -130,11 +136,7 @@ def test_stages_that_start_while_the_bootstrap_dies_say_they_wait_for_it(tmp_pat
 
 def test_a_bootstrap_restarted_with_its_key_re_plans_the_pipeline_within_30_s(tmp_path):
     with LocalSwarm(run_id=RUN, workdir=tmp_path, common_set=settings()) as swarm:
-        boot = swarm.start("bootstrap", name="bootstrap")
-        swarm.wait_ready([boot], timeout=90)
-        stages = start_stages(swarm)
-        swarm.wait_ready(stages, timeout=240)
-        wait_for(lambda: all(len(steps(n)) >= 5 for n in stages), 120, "5 steps on every stage")
+        boot, stages = running_pipeline(swarm)
         old_epoch = max(e["epoch"] for e in events(boot, "schedule_published"))
 
         swarm.kill(boot)
