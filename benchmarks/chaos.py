@@ -2,14 +2,14 @@
 ``--minutes`` (default 30; ``--quick``: about 2 minutes of chaos, under 5 minutes in all on 2 cores).
 
 The swarm, sized for 2 cores (every model is tiny, one torch thread per node):
-  - a bootstrap (the pipeline's schedule coordinator);
+  - a bootstrap (the pipeline's schedule coordinator) and a standby bootstrap
+    (``bootstrap.standby=true``, node/coordinator_lease.py) that takes over when it is gone;
   - 3 ``noloco`` workers with checkpoints on (``noloco.checkpoint_every=2``) and ``resume=true``,
     so a restarted worker resumes from its newest checkpoint;
   - a 3-stage pipeline (one ``stage`` node per stage, 0, 1, 2).
 Not run (and said so in the JSON, ``not_done``): GRPO peers (2 more torch processes do not fit the
 2 cores beside the 7 above: the nodes then miss their heartbeats and the figures measure the CPU,
-not the swarm); a standby coordinator (none exists yet in the product: the bootstrap is the only
-coordinator, so ``coordinator_takeover_s`` measures a restart of the same bootstrap, not a takeover).
+not the swarm).
 
 The chaos, from a seeded RNG (``--seed``), on non-coordinator nodes only:
   - ``kill_restart``: SIGKILL a node's process group (by PID), restart it as itself (same key,
@@ -19,8 +19,8 @@ The chaos, from a seeded RNG (``--seed``), on non-coordinator nodes only:
     runtime, so a flap is a restart of a noloco worker with ``netem.default`` = 150 ms one way,
     5 Mbit/s, and a second restart with no emulation ``flap_s`` later (the flap is on the
     worker's sends only);
-  - the coordinator (bootstrap) is SIGKILLed once and restarted with its key after 20-40 s
-    (20 s in --quick).
+  - the active coordinator (the first bootstrap) is SIGKILLed once, the standby takes over, and
+    the first is restarted with its key after 20-40 s (20 s in --quick): it stays a standby.
 
 Measured, per node (every ``sample_s`` seconds): RSS of the node's process and all its
 descendants (VmRSS from /proc/PID/status, p2pd included) and their open file descriptors
@@ -44,10 +44,8 @@ noloco worker, ``stage_step`` for a stage), losses, checkpoints written and resu
                            that node ever logged (a checkpoint that was loaded but was never
                            written complete)                                        target 0
   coordinator_takeover_s   from the coordinator's SIGKILL until every stage sees a coordinator
-                           again (``coordinator_back`` or a new ``schedule_adopted``) after
-                           the restart; it includes the deliberate 20-40 s outage  target <= 30
-  coordinator_back_after_restart_s  the same from the restart: how long the swarm took to find
-                           the restarted coordinator (redial, ``coordinator_back``)     reported
+                           again (``coordinator_back`` or a new ``schedule_adopted``): the
+                           standby's takeover (lease_s 6, settle_s 2)              target <= 30
   corrupt_checkpoints_loaded counts only ``resume`` records with ``source`` "checkpoint" (a
                            joiner that downloaded a peer's state loaded no checkpoint)
 The slopes from a --quick run (incarnations of 1-2 minutes) are dominated by start-up growth
@@ -101,6 +99,7 @@ PIPELINE = [
     "stage.compute_delay_s=0.05", "stage.iteration_timeout_s=60",
 ]
 COMMON = ["card.refresh_s=2", "card.ttl_s=10", "drain.budget_s=10"]
+LEASE = ["bootstrap.lease_s=6", "bootstrap.settle_s=2"]
 FLAP_LINK = 'netem.default={"latency_ms": 150, "bandwidth_mbps": 5}'
 PROGRESS = {"noloco": "averaging_round_done", "stage": "stage_step"}
 
@@ -312,8 +311,10 @@ def run(minutes: float, quick: bool, seed: int, out: str | None, workdir: str | 
         with LocalSwarm(run_id="chaos", workdir=wd, common_set=COMMON) as swarm:
             soak = Soak(swarm, cfg, rng)
             try:
-                boot = soak.start("bootstrap", "bootstrap", list(PIPELINE))
+                boot = soak.start("bootstrap", "bootstrap", [*PIPELINE, *LEASE])
                 swarm.wait_ready([boot], timeout=120)
+                standby = soak.start("bootstrap", "standby", [*PIPELINE, *LEASE, "bootstrap.standby=true"])
+                swarm.wait_ready([standby], timeout=120)
                 workers = [f"w{i}" for i in range(3)]
                 stages = [f"s{i}" for i in range(3)]
                 for w in workers:
@@ -386,7 +387,7 @@ def chaos_loop(soak: Soak, workers: list[str], stages: list[str], t0: float) -> 
                 soak.log("link_flap_end", name, pid=n.pid, how="restart without netem")
         # a node that exited on its own (not killed by us): logged, then restarted as a supervisor
         # (systemd Restart=on-failure) would; its time without progress counts as a stall
-        busy = {p[2] for p in soak.pending} | {"bootstrap"}
+        busy = {p[2] for p in soak.pending} | {"bootstrap", "standby"}
         for name, n in list(soak.current.items()):
             if name not in busy and not n.alive():
                 soak.log("exited_unexpectedly", name, pid=n.pid, returncode=n.proc.returncode,
@@ -448,23 +449,24 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
             stages: list[str]) -> dict[str, Any]:
     recs = {name: log_records(n) for name, n in soak.current.items()}   # logs are appended across restarts
     # coordinator outage as the stages saw it
-    takeover = back_after_restart = None
+    takeover = None
     outage: list[tuple[float, float]] = []
-    if "restarted" in coord:
+    if "killed" in coord:
         seen = []
         for s in stages:
             ts_back = [ts(r) for r in recs[s] if r.get("event") == "coordinator_back"
                        or (r.get("event") == "schedule_adopted" and coord.get("epoch_before") is not None
                            and r.get("epoch", 0) > coord["epoch_before"])]
-            seen.append(first_after(ts_back, coord["restarted"]))
+            seen.append(first_after(ts_back, coord["killed"]))
         if all(x is not None for x in seen):
             takeover = max(seen) - coord["killed"]
-            back_after_restart = max(seen) - coord["restarted"]
-        # never seen again: only the deliberate outage is excluded (not seeing the restarted
-        # coordinator is the failure, not an excuse)
-        outage = [(coord["killed"], coord["killed"] + takeover if takeover is not None else coord["restarted"])]
-    elif "killed" in coord:
-        outage = [(coord["killed"], t_end)]
+        # never seen again: only the standby's lease period is excluded (not seeing the standby
+        # take over is the failure, not an excuse)
+        outage = [(coord["killed"], coord["killed"] + (takeover if takeover is not None else TARGETS["coordinator_takeover_s"]))]
+        took = [r for r in recs.get("standby", []) if r.get("event") == "coordinator_took_over"]
+        coord["standby_took_over"] = ts(took[0]) - coord["killed"] if took else None
+        coord["first_active_again"] = any(r.get("event") == "coordinator_active" and ts(r) > coord["killed"]
+                                          for r in recs.get("bootstrap", []))
     per_node: dict[str, Any] = {}
     stalls, rejoin = {}, {}
     for name, n in soak.current.items():
@@ -521,7 +523,6 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
         "nonfinite_losses": sum(len(v) for v in nonfinite.values()),
         "corrupt_checkpoints_loaded": sum(len(v) for v in digests_bad.values()),
         "coordinator_takeover_s": None if takeover is None else round(takeover, 1),
-        "coordinator_back_after_restart_s": None if back_after_restart is None else round(back_after_restart, 1),
     }
     summary["targets"] = dict(TARGETS)
     summary["targets_met"] = {k: (summary[k] is not None and summary[k] <= t) for k, t in TARGETS.items()}
@@ -532,15 +533,14 @@ def analyse(soak: Soak, cfg: dict, t0: float, t_end: float, coord: dict, workers
                            "minus time frozen, down until its first progress after a restart, or (stages) "
                            "the coordinator outage",
             "coordinator_takeover_s": "SIGKILL of the bootstrap until every stage saw a coordinator again "
-                                      "(coordinator_back or a new schedule_adopted) after its restart with the "
-                                      "same key; includes the deliberate outage (coord_down_s): no standby exists",
+                                      "(coordinator_back or a new schedule_adopted): the standby bootstrap's "
+                                      "takeover; coordinator.standby_took_over is its own coordinator_took_over, "
+                                      "coordinator.first_active_again must stay false (no hand-back)",
             "rss_growth_mb_per_hour": "worst least-squares slope over node incarnations (process + descendants) "
                                       "after warmup_s; quick runs are too short to separate a leak from start-up",
         },
         "not_done": {
             "grpo_peers": "not run: 2 more torch processes beside 7 nodes overload 2 cores",
-            "standby_coordinator": "no standby coordinator exists in the product yet; the bootstrap is restarted "
-                                   "with its key instead",
             "runtime_link_flaps": "node/netem.py reads its links at start only: a flap is a restart of a noloco "
                                   "worker with netem.default slowed, then one without",
         },

@@ -8,6 +8,10 @@ Hosts what the other installed roles ask of it, found through their entry points
 named here: every role's ``bootstrap_services`` (e.g. the SkipPipe schedule service) joins its
 gRPC server, and every role's record namespaces join its DHT validator, so the bootstrap
 stores and serves those records like any peer.
+
+One or more standby bootstraps (``bootstrap.standby = true``, joined through the first one's
+multiaddr) run the same services; the coordinator lease (node/coordinator_lease.py) says which
+one is active, and the hosted coordinators serve only there. docs/operations.md, 'Two bootstraps'.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import logging
 from typing import Any
 
 import grpc
+from pydantic import BaseModel, ConfigDict
 
 from node.card import CardView, read_cards
+from node.coordinator_lease import CoordinatorLease, LeaseConfig
 from node.logs import emit
 from node.metrics import RPC_REJECTED
 from node.roles import NodeContext, RoleBase, Service, load_installed_roles, register
@@ -53,9 +59,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.ListNodesReply(nodes=[card_view_pb(v) for v in views])
 
 
+class BootstrapSettings(BaseModel):
+    """The bootstrap's config sections: ``[bootstrap]`` (the coordinator lease)."""
+
+    model_config = ConfigDict(extra="forbid")
+    bootstrap: LeaseConfig = LeaseConfig()
+
+
 @register
 class BootstrapRole(RoleBase):
     name = "bootstrap"
+    Settings = BootstrapSettings
+
+    def __init__(self, ctx: NodeContext, settings: BootstrapSettings):
+        super().__init__(ctx, settings)
+        self.lease = CoordinatorLease(ctx, settings.bootstrap)
+        ctx.coordinator_lease = self.lease      # the hosted coordinators follow it (bootstrap_services)
 
     @classmethod
     def namespaces(cls, config: Any) -> list:
@@ -80,6 +99,7 @@ class BootstrapRole(RoleBase):
 
     async def start(self) -> None:
         self.ctx.supervisor.spawn("swarm_census", self._census)
+        self.ctx.supervisor.spawn("coordinator_lease", self.lease.run)
         await self.ctx.set_role_ready(True, "ready", "")
 
     async def _census(self) -> None:

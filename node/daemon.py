@@ -20,6 +20,7 @@ from typing import Any
 
 from node import metrics, ready_details
 from node.card import CARD_NAMESPACE, CardPublisher
+from node.coordinator_lease import LEASE_NAMESPACE
 from node.config import ConfigError, NodeConfig, redacted
 from node.eventbus.service import NodeEventBus
 from node.card import read_cards
@@ -76,7 +77,7 @@ class Node:
         key, self.peer_id, key_path = ensure_identity(self.cfg.identity)
         set_context(peer_id=self.peer_id, role=self.cfg.role, run_id=self.cfg.run_id, state="joining")
         emit(log, "config_effective", "effective config", config=redacted(self.cfg), version=VERSION)
-        namespaces = [CARD_NAMESPACE, REVOKED_NAMESPACE,
+        namespaces = [CARD_NAMESPACE, REVOKED_NAMESPACE, LEASE_NAMESPACE,
                       *getattr(self.role_cls, "namespaces", lambda cfg: [])(self.cfg)]
         sec = self.cfg.security
         self.key, self.admission_token = key, None

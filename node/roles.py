@@ -76,6 +76,10 @@ class NodeContext:
     (reason codes from ``node.lifecycle.READINESS_REASONS``, e.g. ``role_init``, ``state_sync``)."""
     request_drain: Callable[[str], None] = lambda trigger: None
     """Ask the node to drain and exit 0 (e.g. a worker that finished its configured steps)."""
+    coordinator_lease: Any = None
+    """On a bootstrap: its ``node.coordinator_lease.CoordinatorLease`` (``active``, ``on_change``,
+    ``note_epoch``), set before ``bootstrap_services`` run; a hosted coordinator serves only while
+    ``active``. None elsewhere (and a service that finds None serves, as with a single bootstrap)."""
     eventbus: Any = None
     """The swarm event bus (``node.eventbus.client.EventBus``) when ``eventbus.enabled``, else
     None: then use the DHT path. It may still be starting or restarting: check ``eventbus.up``

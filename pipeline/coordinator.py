@@ -31,6 +31,13 @@ a stage probe (a forward of a probe microbatch over its tensor stream); when no 
 for `schedule.stall_s`, every planned node is probed again and those that fail leave the plan for
 good. The replica-integrity audits are pipeline/replica_audits.py, the attribution of non-finite
 outputs pipeline/nonfinite_watch.py; this module quarantines.
+
+Standby coordinators (node/coordinator_lease.py): with several bootstraps, only the one holding
+the coordinator lease (`ctx.coordinator_lease.active`) plans and answers; the others answer every
+call UNAVAILABLE naming the active one, and run no planner. One that takes over goes on after the
+highest epoch the lease names (the active one stores each epoch in its lease entry before it
+publishes it) and re-plans with the live stage nodes; one that steps down stops planning and ends
+its watch streams.
 """
 
 from __future__ import annotations
@@ -238,9 +245,38 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self._replan_now = asyncio.Event()      # a quarantine: re-plan at the next poll, skipping settle_s
         self.nonfinite = NonfiniteWatch()
         self.trend = LossTrend(cfg.loss_trend_window)
+        self.lease = getattr(ctx, "coordinator_lease", None)
+        if self.lease is not None:
+            self.lease.remember_epoch(self.restored_epoch)
+            self.lease.on_change(self._lease_changed)
+
+    @property
+    def active(self) -> bool:
+        """Whether this bootstrap is the one that plans (always, without a lease)."""
+        return self.lease is None or self.lease.active
+
+    async def _lease_changed(self, state: str) -> None:
+        """Take over (go on after the lease's highest epoch, plan at once) or step down."""
+        if self.active:
+            self.restored_epoch = max(self.restored_epoch, self.lease.max_epoch)
+            self.scheduled, self.live, self.peak, self.claims = [], [], {}, {}
+            self.suspended_since = None
+            self.reported_down.clear()
+            self.probe = LivenessProbe()
+            self.waiting_reason = "took over as the active coordinator; reading the stage nodes"
+            self._ensure_started()
+            return
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._task = None
+        async with self._changed:
+            self._changed.notify_all()          # watch streams end (UNAVAILABLE)
 
     def _ensure_started(self) -> None:
-        """The planner loop, supervised (restarted with backoff should it ever fail), from the first call on."""
+        """The planner loop, supervised (restarted with backoff should it ever fail), from the first call on
+        (only while this bootstrap holds the coordinator lease)."""
+        if not self.active:
+            return
         if self._task is None or self._task.done():
             self._task = self.ctx.supervisor.spawn("schedule_planner", self._loop)
 
@@ -301,7 +337,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             self._replan_now.clear()
 
     async def _plan(self, members: list[tuple]) -> None:
-        epoch = max(self.epoch, self.restored_epoch) + 1
+        if not self.active:
+            return
+        epoch = max(self.epoch, self.restored_epoch, self.lease.max_epoch if self.lease else 0) + 1
         try:
             sched, cluster = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
                                                      self.activation_bytes, epoch)
@@ -320,6 +358,10 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                  epoch=epoch, suspended_s=round(seconds, 3))
             self.suspended_since = None
             self.reported_down.clear()
+        if self.lease is not None:
+            await self.lease.note_epoch(epoch)      # in the lease before any stage can adopt it
+            if not self.active:
+                return
         self.scheduled = list(members)
         if self.admission is not None:
             self.admission.reset(asyncio.get_running_loop().time())
@@ -447,6 +489,10 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         return self.status()
 
     async def _check_run(self, request, context) -> None:
+        if not self.active:
+            holder = self.lease.holder
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"standby coordinator: the active one is {holder or '(none yet: a takeover is under way)'}")
         self._ensure_started()
         if request.run_id and request.run_id != self.ctx.config.run_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -467,7 +513,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         sent = 0
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: self.epoch > sent)
+                await self._changed.wait_for(lambda: self.epoch > sent or not self.active)
+                if not self.active:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "this coordinator stepped down")
                 reply = self.replies[self.epoch]
             sent = reply.epoch
             yield reply

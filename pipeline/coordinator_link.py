@@ -1,7 +1,8 @@
 """A stage node's side of the bootstrap's `Schedule` service (the server is pipeline/coordinator.py).
 
-Owns how a stage node finds the coordinator (the bootstrap's node card), follows `Schedule.Watch`
-(calls signed for the bootstrap's peer ID; reconnects after any error), validates every schedule
+Owns how a stage node finds the coordinator (the bootstrap that holds the coordinator lease,
+node/coordinator_lease.py; without a lease entry, a bootstrap's node card), follows
+`Schedule.Watch` (calls signed for that bootstrap's peer ID; reconnects after any error), validates every schedule
 before handing it on (a violation is refused and logged with the rule), fetches an epoch it has not
 seen, and, on data nodes, follows the coordinator's `suspended` / `hold` answer (`running`): while
 the published plan names a node that is gone or quarantined no new iteration starts. What a
@@ -11,8 +12,9 @@ It also knows whether the coordinator answers (`heartbeat`: `Schedule.Status` ev
 `HEARTBEAT_S`, and every other call it makes): `wait` (node/coordinator_wait.py) says who the
 node waits for and since when, `/readyz` shows it under `details.coordinator`, and the role's
 `on_wait` hears every change (a node without a schedule says in its readiness that it waits).
-A coordinator that stops answering changes nothing else: the node keeps its last schedule, and
-the watch reconnects (every second; its channel retries the connection at least every
+A coordinator that stops answering changes nothing else: the node keeps its last schedule, looks
+for the lease holder again at every failed heartbeat (a standby that took over:
+`coordinator_switched`), and the watch reconnects (every second; its channel retries the connection at least every
 `RECONNECT_MAX_S`) until the coordinator is back.
 """
 
@@ -26,6 +28,7 @@ import grpc
 
 from node import ready_details
 from node.card import read_cards
+from node.coordinator_lease import read_holder
 from node.coordinator_wait import RESTART_HINT, CoordinatorWait, short
 from node.logs import emit
 from pipeline.coordinator import fetch_schedule, parse_reply
@@ -69,19 +72,53 @@ class CoordinatorLink:
         ready_details.provide("coordinator", self.wait.detail)
 
     async def find(self) -> None:
-        """Wait until a bootstrap's card names its gRPC address (read every second)."""
+        """Wait until the active coordinator is known (read every second)."""
         self.wait.begin()
         await self._changed()                  # `looking`: the role says so until the card is read
         while self.addr is None:
-            try:
-                for v in await read_cards(self.ctx.membership.dht, self.run_id):
-                    if v.card.role == "bootstrap" and v.card.grpc_addr:
-                        self.addr = (v.card.grpc_addr, v.peer_id)
-                        self.wait.found(v.peer_id)     # the heartbeat's first answer says more
-                        return
-            except Exception as exc:  # noqa: BLE001 - retried
-                log.debug("reading cards: %r", exc)
+            found = await self.locate()
+            if found is not None:
+                self.addr = found
+                self.wait.found(found[1])      # the heartbeat's first answer says more
+                return
             await asyncio.sleep(1.0)
+
+    async def locate(self) -> tuple[str, str] | None:
+        """(gRPC address, peer ID) of the active coordinator: the bootstrap the lease names (it must
+        have a live bootstrap card: a card's role is what a node trusts today, admitted by token
+        where the run uses tokens); with no active lease entry, a bootstrap card that does not
+        say `coordinator=standby`; None when there is neither."""
+        dht = self.ctx.membership.dht
+        try:
+            held = await read_holder(dht, self.run_id)
+        except Exception as exc:  # noqa: BLE001 - the cards may still tell
+            log.debug("reading the coordinator lease: %r", exc)
+            held = None
+        try:
+            boots = {v.peer_id: v for v in await read_cards(dht, self.run_id)
+                     if v.card.role == "bootstrap" and v.card.grpc_addr}
+        except Exception as exc:  # noqa: BLE001 - retried
+            log.debug("reading cards: %r", exc)
+            return None
+        if held is not None:
+            peer = held[0]
+            return (boots[peer].card.grpc_addr, peer) if peer in boots else None
+        candidates = sorted((v.card.details.get("coordinator") != "active", p) for p, v in boots.items()
+                            if v.card.details.get("coordinator") not in ("standby", "claiming"))
+        return None if not candidates else (boots[candidates[0][1]].card.grpc_addr, candidates[0][1])
+
+    async def relocate(self) -> None:
+        """After a failed call: follow the lease to another coordinator (a standby that took over)."""
+        found = await self.locate()
+        if found is None or found == self.addr:
+            return
+        old = self.addr
+        self.addr = found
+        self.wait.found(found[1])
+        emit(log, "coordinator_switched", "the coordinator is now {short} (was {old_short}): following it",
+             level=logging.WARNING, short=short(found[1]), peer=found[1], old=old[1] if old else None,
+             old_short=short(old[1] if old else None), grpc_addr=found[0])
+        await self._changed()
 
     def channel(self) -> grpc.aio.Channel:
         addr, peer_id = self.addr
@@ -106,7 +143,7 @@ class CoordinatorLink:
             try:
                 await self.status(timeout=max(HEARTBEAT_S, 2.0))
             except grpc.aio.AioRpcError:
-                pass                                   # noted by status(); the next beat asks again
+                await self.relocate()                  # noted by status(); a standby may have taken over
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _answered(self) -> bool:

@@ -43,7 +43,7 @@ def test_noloco_declares_its_sections_and_namespace():
     assert noloco.sections() == ["noloco", "model", "data"]
     assert set(noloco.sections()) <= set(registered_sections())
     assert [ns.name for ns in noloco.namespaces(None)] == ["noloco/roster/"]
-    assert load_role("bootstrap").sections() == []
+    assert load_role("bootstrap").sections() == ["bootstrap"]     # the coordinator lease (node/coordinator_lease.py)
 
 
 def test_every_installed_role_reads_only_registered_sections():
