@@ -41,8 +41,10 @@ Compressed (``[noloco] compression``, a ``codec`` here and the round's ``wire`` 
   phi off the event loop (a malformed part: rejected "compressed"), and everything after that
   (bounds, robust clip, mean) is as above. A DiLoCo root sends the mean back compressed.
 group_average (DiLoCo, everyone): see ``exchange_group.py``. Root = lowest peer ID in the
-  roster once it has ``expected`` entries or timeout/2 passed; members stream to the root and
-  read back the one mean it computed; failures -> "failed" (the role re-fetches phi).
+  roster once it has ``expected`` entries or timeout/2 passed (a root that later sees a lower
+  peer, before any contribution, follows it); members stream to the root and read back the one
+  mean it computed; the root does not wait for roster members already in the next round's
+  roster; failures -> "failed" (the role re-fetches phi).
 Every await is bounded by the call's deadline (+1 s grace for an exchange in flight). Hellos
 are validated (run, cfg_hash, spec hash, sender peer ID, round skew, order); refusals that mark
 a bad or misconfigured peer (COUNTED) and rejected tensors call ``on_reject(reason)``. Calls
@@ -109,7 +111,7 @@ class OuterExchange:
                                  on_reject=on_reject, bounds=bounds, roster=self._roster,
                                  robust=robust, on_clip=on_clip, codec=codec)
         self._pair = PairExchange(self.link, self._roster)
-        self._group = GroupExchange(self.link, self._roster)
+        self._group = GroupExchange(self.link, self._roster, self._moved_on)
         self._bg: set[asyncio.Task] = set()  # roster publishes finishing in the background
 
     # read-only views used by the role and tests
@@ -227,3 +229,16 @@ class OuterExchange:
         self.link.addrs.update((p, e.grpc_addr) for p, e in out.items())
         st.roster_seen.update(out)
         return out
+
+    async def _moved_on(self, st: C.Round, peers: set[str]) -> set[str]:
+        """Those of ``peers`` (this round's roster) with an entry for the next round: they have
+        finished this one (a DiLoCo root stops waiting for them). set() on DHT errors."""
+        left = remaining(st.deadline)
+        if left <= 0 or not peers:
+            return set()
+        try:
+            later = await read_roster(self.dht, self.link.run_id, st.round + 1, timeout=min(5.0, left))
+        except Exception as exc:  # noqa: BLE001 - a failed read is retried at the next poll
+            log.debug("next round's roster read failed: %r", exc)
+            return set()
+        return {p for p, e in later.items() if p in peers and e.cfg_hash == self.link.cfg_hash}

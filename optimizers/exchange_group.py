@@ -7,7 +7,14 @@ round's roster once it has ``expected`` entries or timeout/2 passed. Members str
 tensors to the root in mode "gather" and read the mean back; a root that is not the root in its
 own view answers "not_root:<root>" and the member follows that once per try (3 tries). The root
 collects until it has expected-1 contributions, or every roster member it has seen (re-read
-while waiting), or 0.75*timeout; late contributions are refused ("late"). The mean is computed
+while waiting) that has not moved on, or 0.75*timeout; late contributions are refused ("late").
+A roster member with an entry for the next round has finished this one and is not waited for
+(a root one round behind waited out its whole window for it, then arrived at the next round
+after that round's root stopped collecting: the two live workers stayed a round apart, every
+round solo; outcome "moved_on" when nobody else was seen). A root taken with nobody lower in
+sight (at the settle) that then sees a lower peer, before any contribution, follows it as a
+member: that peer is the root in its own view and waits for us (two roots alone, both solo).
+The mean is computed
 once (ascending peer ID) and sent bitwise to every member; a member whose gather failed gets
 outcome "failed" and must re-fetch phi (DiLoCo assumes identical phi). Bounds: the root
 checks each contribution against its own tensors (``exchange_server``), a member checks the
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -38,8 +46,8 @@ log = logging.getLogger("swarmnode.noloco.exchange")
 class GroupExchange:
     """Runs one group round: as the root (collect, mean, let the servicer answer) or as a member."""
 
-    def __init__(self, link: ExchangeLink, roster: Roster):
-        self.link, self.roster = link, roster
+    def __init__(self, link: ExchangeLink, roster: Roster, moved_on: MovedOn | None = None):
+        self.link, self.roster, self.moved_on = link, roster, moved_on
 
     async def run(self, st: C.Round, expected: int, timeout: float) -> C.ExchangeResult:
         link, loop = self.link, asyncio.get_running_loop()
@@ -64,16 +72,31 @@ class GroupExchange:
     async def _run_root(self, st: C.Round, expected: int, view: dict) -> C.ExchangeResult:
         link, loop = self.link, asyncio.get_running_loop()
         seen: set[str] = set(view)
+        gone: set[str] = set()  # roster peers already in a later round: they will not contribute
         while loop.time() < st.collect_end and not st.closed:
             have = set(st.contribs)
-            if len(have) + 1 >= expected or (seen and seen <= have and not st.arriving):
+            if len(have) + 1 >= expected or (seen and seen - gone <= have and not st.arriving):
                 break
             await link.sleep(st, min(link.poll_interval_s, st.collect_end - loop.time()))
             seen |= set(await self.roster(st))
+            missing = seen - gone - set(st.contribs) - st.arriving
+            if missing and self.moved_on is not None:
+                gone |= await self.moved_on(st, missing)
+            lower = sorted(p for p in seen - gone if p < link.peer_id)
+            if lower and not st.contribs and not st.arriving and st.mean is None and not st.closed:
+                # we took the root with nobody lower in sight (at the settle); a lower peer
+                # arrived since and, seeing us, is the root in its own view, waiting for us:
+                # two roots, each alone, both solo. The lowest ID is the root: follow it.
+                st.root = lower[0]
+                st.decided.set()  # gathers sent to us meanwhile are told "not_root:<root>"
+                log.info("group round %d: %s arrived after we took the root; gathering to it",
+                         st.round, lower[0][:16])
+                return await self._gather(st, lower[0])
         contribs = dict(st.contribs)
         if not contribs:
             st.decided.set()
-            return C.ExchangeResult(None, 1, [], C.SOLO, "closed" if link.closed else "no_partner")
+            why = "closed" if link.closed else ("moved_on" if seen and seen <= gone else "no_partner")
+            return C.ExchangeResult(None, 1, [], C.SOLO, why)
         # robust averaging: each member's difference from the root's tensors is clipped (one
         # CenteredClip iteration around the root's own theta), so no member drags the group mean
         contribs = {p: await link.clip(st, t, p) for p, t in sorted(contribs.items())}
@@ -152,7 +175,8 @@ class GroupExchange:
             if reason in C.RETRY:
                 log.info("gather to root %s refused (%s): asking again", root[:16], reason)
             else:
-                log.warning("gather to root %s failed (%s); solo step, then re-fetch phi", root[:16], reason)
+                log.warning("gather to root %s failed (%s: %s); solo step, then re-fetch phi", root[:16], reason,
+                            str(exc)[:200])
             return C.ExchangeResult(None, 1, [root], C.FAILED, reason, sent, recv), redirect
         except (OSError, TimeoutError) as exc:
             reason = "timeout" if isinstance(exc, TimeoutError) else "partner_error"
@@ -208,6 +232,11 @@ class GroupExchange:
             st.arriving.discard(pid)
             if not fut.done():
                 fut.set_result(0)
+
+
+MovedOn = Callable[[C.Round, set[str]], Awaitable[set[str]]]
+"""async (round state, peers) -> those of ``peers`` with a roster entry for a later round (they
+finished this one: a root stops waiting for them)."""
 
 
 async def _until_half_closed(stream: TensorStream) -> None:

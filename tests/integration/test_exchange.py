@@ -385,6 +385,52 @@ async def test_group_member_asks_again_while_the_root_has_not_seen_its_roster_en
         await stop_all(ws)
 
 
+async def test_group_root_taken_alone_follows_a_lower_peer_that_arrives_later(dhts):
+    """The higher peer arrives first, sees nobody by its settle (timeout/2) and takes the root;
+    the lower peer arrives after that, sees it and is the root in its own view. Two roots, each
+    waiting for the other, both went solo (two live, ready DiLoCo workers could stay like that
+    round after round). The first root follows the lower peer once its roster shows it."""
+    ws = await workers(dhts, 2)
+    low, high = ws
+    try:
+        r = next_round()
+
+        async def late():
+            await asyncio.sleep(4.5)  # past the higher peer's settle (8 / 2), before its collection end (6)
+            return await low.ex.group_average(r, tensors(95), 8, expected=2)
+
+        res = await asyncio.gather(late(), high.ex.group_average(r, tensors(96), 8, expected=2))
+        assert [(x.outcome, x.n) for x in res] == [("ok", 2)] * 2, [(x.outcome, x.reason) for x in res]
+        assert all(torch.equal(a, b) for a, b in zip(res[0].mean, res[1].mean))
+    finally:
+        await stop_all(ws)
+
+
+async def test_group_root_stops_waiting_for_a_peer_that_moved_on_and_meets_it_next_round(dhts):
+    """The lower peer (the root) lags one round: its roster for round r lists the higher peer,
+    which already finished r (solo) and waits at r + 1. The root waited its whole collection
+    window for a contribution that never came; arriving at r + 1 that late again, the two never
+    met (both live, every round solo). Now it stops once the peer's r + 1 entry shows, and the
+    two meet at r + 1."""
+    ws = await workers(dhts, 2)
+    low, high = ws
+    try:
+        r = next_round()
+        alone = await high.ex.group_average(r, tensors(97), 8, expected=1)  # it went ahead alone
+        assert (alone.outcome, alone.reason) == ("solo", "no_partner")
+        ahead = asyncio.create_task(high.ex.group_average(r + 1, tensors(98), 8, expected=2))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        lag = await low.ex.group_average(r, tensors(99), 8, expected=2)
+        assert (lag.outcome, lag.reason) == ("solo", "moved_on"), (lag.outcome, lag.reason)
+        assert time.monotonic() - t0 < 0.75 * 8 - 2, lag.blocked_s  # not the whole collection window
+        caught_up = await low.ex.group_average(r + 1, tensors(100), 8, expected=2)
+        res = [caught_up, await ahead]
+        assert [(x.outcome, x.n) for x in res] == [("ok", 2)] * 2, [(x.outcome, x.reason) for x in res]
+    finally:
+        await stop_all(ws)
+
+
 async def test_timing_64mib_pair(dhts):
     specs = [("theta", torch.float32, (16 * MiB,))]  # 64 MiB
     ws = await workers(dhts, 2, specs=specs)
