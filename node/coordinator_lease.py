@@ -9,7 +9,9 @@ address and the highest schedule epoch it knows, stored every ``lease_s / 4`` wi
 rules of node/lease_logic.py: a standby claims when no active entry was seen for ``lease_s``, the
 lowest peer ID among the claims that are fresh after ``settle_s`` wins, and an active bootstrap
 that sees a lower peer ID active steps down. No hand-back: a bootstrap that returns (restarted,
-its old lease expired) finds the fresh entry of the one that took over and stays a standby.
+its old lease expired) finds the fresh entry of the one that took over and stays a standby; it
+never claims while its DHT has no peer (it could not see that entry), so a returning bootstrap
+started without initial peers waits until the swarm redials it (``dht.redial_s``).
 
 The services a bootstrap hosts for the roles (the SkipPipe schedule coordinator) follow it
 through ``ctx.coordinator_lease``: :attr:`active`, :meth:`on_change` (called with the new state)
@@ -191,7 +193,8 @@ class CoordinatorLease:
                 holder = active_holder(others)
                 if holder is not None:
                     self.seen_holder = holder
-                change = self.logic.tick(time.time(), others)
+                connected = not self.logic.needs_peers or await self.ctx.membership.peer_count() > 0
+                change = self.logic.tick(time.time(), others, connected=connected)
                 if change is not None:
                     self._since = time.time()
                     await self._store()              # say the new state before acting on it

@@ -7,8 +7,11 @@ bootstrap's state machine over the fresh entries of the *others*; it is called e
 
 - ``standby``: while some other bootstrap's entry says ``active`` it waits. When none has been
   seen for ``wait_s`` (``lease_s``; 0 on a first-started primary, which claims at once), and no
-  lower peer ID is already claiming, it writes a ``claiming`` entry.
-- ``claiming``: after ``settle_s`` it reads again. It becomes ``active`` only if no ``active``
+  lower peer ID is already claiming, it writes a ``claiming`` entry. Only a first-started primary
+  may claim while its DHT has no peer: any other bootstrap (a standby, a restarted primary) with
+  an empty routing table cannot see the lease at all, and its "no active entry" means nothing.
+- ``claiming``: after ``settle_s`` it reads again (a claimant that lost every peer meanwhile is
+  back to ``standby``). It becomes ``active`` only if no ``active``
   entry appeared and no other claimant with a lower peer ID is fresh; otherwise it is back to
   ``standby``. There is no compare-and-swap in a DHT: the settle delay lets every claimant see
   every other claim, and the lowest peer ID among them wins, so two claimants never both win.
@@ -63,6 +66,7 @@ class LeaseLogic:
         if lease_s <= 0 or settle_s <= 0:
             raise ValueError("lease_s and settle_s must be > 0")
         self.me, self.lease_s, self.settle_s = me, lease_s, settle_s
+        self.needs_peers = not claim_at_once     # only a first-started primary claims alone
         self.state = STANDBY
         self.max_epoch = 0
         self.holder: str | None = None           # the other active bootstrap seen at the last tick
@@ -73,8 +77,9 @@ class LeaseLogic:
     def note_epoch(self, epoch: int) -> None:
         self.max_epoch = max(self.max_epoch, int(epoch))
 
-    def tick(self, now: float, others: Mapping[str, Seen]) -> Change | None:
-        """Apply one read of the other bootstraps' fresh entries (never this node's own)."""
+    def tick(self, now: float, others: Mapping[str, Seen], connected: bool = True) -> Change | None:
+        """Apply one read of the other bootstraps' fresh entries (never this node's own);
+        ``connected``: whether the DHT had at least one peer when it was read."""
         others = {p: e for p, e in others.items() if p != self.me}
         for e in others.values():
             self.note_epoch(e.epoch)
@@ -90,6 +95,8 @@ class LeaseLogic:
                 return self._to(STANDBY, old, f"{holder} holds the lease too and has the lower peer ID")
             return None
         if self.state == CLAIMING:
+            if self.needs_peers and not connected:
+                return self._to(STANDBY, old, "the DHT has no peer: the lease cannot be read")
             if holder is not None:
                 return self._to(STANDBY, old, f"{holder} became active first")
             rivals = sorted(p for p, e in others.items() if e.state == CLAIMING and p < self.me)
@@ -103,6 +110,8 @@ class LeaseLogic:
         # standby
         if holder is not None or now - self.absent_since < self.lease_s:
             return None
+        if self.needs_peers and not connected:
+            return None                      # blind: an empty DHT shows no lease, live or not
         if any(e.state == CLAIMING and p < self.me for p, e in others.items()):
             return None                      # a lower peer ID claims: let it
         self.claimed_at = now

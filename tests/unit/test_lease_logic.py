@@ -88,3 +88,21 @@ def test_active_holder_is_the_lowest_active_peer():
 def test_bad_timings_are_refused():
     with pytest.raises(ValueError):
         LeaseLogic(A, lease_s=0, settle_s=1, now=0)
+
+
+def test_a_bootstrap_that_sees_no_peer_never_claims_unless_it_is_a_first_started_primary():
+    restarted = logic(A, now=0.0)                       # a restarted primary or a standby: needs peers
+    for t in range(0, 60, 5):
+        assert restarted.tick(float(t), {}, connected=False) is None and restarted.state == STANDBY
+    assert restarted.tick(60.0, {B: Seen(ACTIVE, epoch=4)}, connected=True) is None   # the swarm found it
+    assert restarted.state == STANDBY and restarted.max_epoch == 4
+    first = logic(A, at_once=True)
+    assert first.tick(0.0, {}, connected=False).new == CLAIMING
+    assert first.tick(2.0, {}, connected=False).new == ACTIVE
+
+
+def test_a_claimant_that_loses_every_peer_while_it_settles_stands_back():
+    s = logic(B, now=0.0)
+    assert s.tick(10.0, {}, connected=True).new == CLAIMING
+    ch = s.tick(11.0, {}, connected=False)
+    assert ch.new == STANDBY and "no peer" in ch.why
