@@ -95,7 +95,9 @@ HANDSHAKE_S = 3.5        # caller waits this long for the callee's hello (> 2 x 
 # OPEN_WAIT_S (a server waits this long for the caller's hello) is protocol.streams'.
 GRACE_S = 1.0            # extra wait for an exchange already in flight at the deadline
 PUBLISH_WAIT_S = 0.5     # pair mode: wait at most this long for our roster entry before the first read
-RETRY = frozenset({"busy", "not_in_roster"})  # the callee may not have seen our roster entry yet
+# the callee may not have seen our roster entry ("not_in_roster") or our node card ("unknown_peer",
+# its auth layer's refusal) yet, or is matched: ask again until the round's deadline
+RETRY = frozenset({"busy", "not_in_roster", "unknown_peer"})
 COUNTED = frozenset({"run", "cfg_hash", "specs", "sender", "order", "mode", "stale", "future", "malformed"})
 OK, SOLO, FAILED = "ok", "solo", "failed"
 

@@ -398,7 +398,10 @@ class PeerAuthenticator:
         except RecordRejected as exc:
             raise AuthFailure("not_ed25519", f"{HDR_PEER}: {exc}", peer_id=peer) from None
         if self.is_known_peer is not None and not self.is_known_peer(peer):
-            raise AuthFailure("unknown_peer", f"peer ...{peer[-8:]} is not a live member of run {self.run_id!r}; "
+            # "unknown_peer: " leads the text: callers read it as the refusal word (protocol/stream_errors.py
+            # refusal_of) and ask again, as a member whose card the callee has not read yet should
+            raise AuthFailure("unknown_peer", f"unknown_peer: peer ...{peer[-8:]} is not a live member of run "
+                              f"{self.run_id!r}; "
                               "join the swarm (publish a node card) first", peer_id=peer)
         if self.check_token is not None:
             try:

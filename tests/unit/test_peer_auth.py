@@ -128,6 +128,13 @@ def test_unknown_peer_permission_denied(env):
     auth = PeerAuthenticator(run_id=RUN, own_peer_id=target, clock=clock, is_known_peer=lambda p: False)
     f = _fail(auth, signer.sign_request(METHOD, target, node_pb2.InfoRequest()))
     assert f.reason == "unknown_peer" and f.code == grpc.StatusCode.PERMISSION_DENIED
+    # the status text leads with the reason word: an exchange caller reads it as a refusal it asks
+    # again after (the callee has not read the caller's new node card yet), not a failed partner
+    from optimizers.exchange_common import RETRY
+    from optimizers.exchange_link import peer_reason
+    from protocol.stream_errors import StreamError, refusal_of
+    err = StreamError("refused", f"PERMISSION_DENIED: {f.message}", f.code, refusal_of(f.message))
+    assert peer_reason(err) == "unknown_peer" and peer_reason(err) in RETRY
 
 
 def test_non_ed25519_peer_rejected(env):
