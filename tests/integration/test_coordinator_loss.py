@@ -2,9 +2,13 @@
 processes on 127.0.0.1; the bootstrap is SIGKILLed (by PID) mid-training.
 
 The workers need the bootstrap only to join: after the kill they keep averaging over the DHT
-they already share. Asserted from their ``averaging_round_done`` log records: every worker takes
-paired rounds after the kill, and its round pace after the kill (mean seconds between rounds) is
-within 20% of its pace before; no worker leaves READY, and no round blocks past its timeout.
+they already share. Asserted from their ``averaging_round_done`` log records: the swarm pairs as
+often after the kill as before it (the share of paired rounds over all workers, within 0.15), and
+each worker's round pace after the kill (mean seconds between rounds) is within 20% of its pace
+before; no worker leaves READY, and no round blocks past its timeout. With three workers at most
+two pair in a round, and which one is left out depends on when each arrives: a worker can stay
+the odd one out for many rounds (before the kill as after it), so the pairing is compared for the
+swarm, not demanded of each worker.
 
 Every worker sleeps ``compute_delay_s`` per inner step, so a round's length is set by that and
 by matchmaking, not by how busy the 2 cores are: the pace compares like with like.
@@ -75,18 +79,22 @@ def test_noloco_workers_keep_averaging_after_the_bootstrap_is_killed(tmp_path):
         states = {w.name: (w.readyz() or {}).get("state") for w in workers}
         logs = {w.name: w.log_text() for w in workers}
 
-    report = {}
+    report, outs = {}, {"before": [], "after": []}
     for w in workers:
         before = [r for r in rounds(w) if ts(r) < t_kill][WARMUP_ROUNDS:][-WINDOW - 1:]
         later = after(w)[:WINDOW_AFTER + 1]
         report[w.name] = (round(pace_s(before), 2), round(pace_s(later), 2),
                           [r["outcome"] for r in later], max(r["blocked_s"] for r in later))
-    print(f"pace before / after the kill (s per round), outcomes after, max blocked: {report}")
+        outs["before"] += [r["outcome"] for r in before]
+        outs["after"] += [r["outcome"] for r in later]
+    share = {when: round(o.count("ok") / len(o), 3) for when, o in outs.items()}
+    print(f"pace before / after the kill (s per round), outcomes after, max blocked: {report}; "
+          f"share of paired rounds before / after: {share}")
+    assert share["after"] >= share["before"] - 0.15, f"fewer paired rounds after the kill: {share} {report}"
     for w in workers:
         p_before, p_after, outcomes, blocked = report[w.name]
         assert p_after <= PACE_SLACK * p_before, \
             f"{w.name}: {p_after} s per round after the kill vs {p_before} s before (bound x{PACE_SLACK}): {report}"
-        assert outcomes.count("ok") >= 3, f"{w.name}: fewer than 3 paired rounds after the kill: {report}"
         assert blocked <= ROUND_TIMEOUT + 3.0, (w.name, blocked)
         assert states[w.name] == "ready", f"{w.name} is {states[w.name]} after the kill"
         assert '"to": "joining"' not in logs[w.name], f"{w.name} left READY: " + \
