@@ -356,7 +356,11 @@ class SignedRecordValidator(RecordValidatorBase):
         if now - self._last_log.get(reason, -1e9) >= 10.0:  # at most one line per reason per 10 s
             extra = self._suppressed.pop(reason, 0)
             more = f" (+{extra} more since last log)" if extra else ""
-            log.warning("rejected DHT record [%s]: %s%s", reason, detail, more)
+            if reason == "namespace":   # a record of a role this node does not run (a mixed swarm): expected
+                log.info("not storing DHT record [%s]: %s%s (a namespace of a role this node does not run; the "
+                         "nodes of that role store it)", reason, detail, more)
+            else:
+                log.warning("rejected DHT record [%s]: %s%s", reason, detail, more)
             self._last_log[reason] = now
         else:
             self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
