@@ -135,7 +135,8 @@ class LocalSwarm:
         self.common_set = list(common_set or [])
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.nodes: list[NodeProc] = []
-        self.bootstrap_maddr: str | None = None
+        self.bootstrap_maddr: str | None = None          # the first bootstrap's multiaddr
+        self.bootstrap_maddrs: dict[str, str] = {}       # every bootstrap's (node name -> multiaddr)
 
     def __enter__(self) -> "LocalSwarm":
         return self
@@ -166,7 +167,9 @@ class LocalSwarm:
                "--dht-port", str(dht_port), "--grpc-port", str(grpc_port), "--metrics-port", str(ops_port),
                "--identity", str(identity), "--run-id", self.run_id,
                "--set", f"state_dir={self.workdir / name}"]
-        peers = initial_peers if initial_peers is not None else ([self.bootstrap_maddr] if self.bootstrap_maddr else [])
+        # by default every bootstrap started so far (a standby is a second entry point), never itself
+        peers = initial_peers if initial_peers is not None else \
+            [m for n, m in self.bootstrap_maddrs.items() if n != name]
         if peers:
             cmd += ["--initial-peers", *peers]
         if resume:
@@ -180,18 +183,20 @@ class LocalSwarm:
         node = NodeProc(name=name, role=role, proc=proc, ops_port=ops_port, grpc_port=grpc_port, dht_port=dht_port,
                         identity=identity, log_path=log_path, peer_id=peer_id)
         self.nodes.append(node)
-        if role == "bootstrap" and self.bootstrap_maddr is None:
-            self.bootstrap_maddr = f"/ip4/127.0.0.1/tcp/{dht_port}/p2p/{peer_id}"
+        if role == "bootstrap":
+            self.bootstrap_maddrs[name] = f"/ip4/127.0.0.1/tcp/{dht_port}/p2p/{peer_id}"
+            self.bootstrap_maddr = self.bootstrap_maddr or self.bootstrap_maddrs[name]
         return node
 
     def restart(self, node: NodeProc, extra_set: list[str] | None = None) -> NodeProc:
         """Start a stopped node again as itself: the same name (key file, state_dir, log file,
         appended to) and the same ports, so peers that knew it find it where it was. A bootstrap
-        starts with no initial peers, as it did first (the swarm's other nodes dial it)."""
+        gets the other bootstraps as initial peers (none if it is the only one: the swarm's other
+        nodes dial it), every other node every bootstrap."""
         if node.alive():
             raise RuntimeError(f"{node.name} is still running (pid {node.pid}): stop or kill it first")
         return self.start(node.role, name=node.name, extra_set=extra_set,
-                          initial_peers=[] if node.role == "bootstrap" else None,
+                          initial_peers=None,
                           ports=(node.dht_port, node.grpc_port, node.ops_port))
 
     def wait_ready(self, nodes: list[NodeProc] | None = None, timeout: float = 60.0) -> float:

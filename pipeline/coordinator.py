@@ -474,7 +474,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         missing = [s for s, n in replicas.items() if n == 0]
         suspended = bool(self.scheduled) and bool(missing)
         return pipeline_pb2.ScheduleStatus(
-            epoch=self.epoch, suspended=suspended, missing_stages=missing,
+            # the epoch the run has reached: a restarted or newly active coordinator has published
+            # nothing yet, but the run is underway (a replacement may take a vacancy: epoch > 0)
+            epoch=max(self.epoch, self.restored_epoch), suspended=suspended, missing_stages=missing,
             live_stages=[s for s, n in replicas.items() if n > 0],
             vacancy=pick_vacancy(replicas, set(self.claims.values()), self.peak) if self.live else -1,   # nothing to rebuild from
             down_stages=sorted(self.reported_down), claimed_stages=sorted(set(self.claims.values())), claims=self.claims,

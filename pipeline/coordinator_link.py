@@ -125,11 +125,14 @@ class CoordinatorLink:
         return self.pool.get(addr, peer_id=peer_id)
 
     async def status(self, timeout: float = 5.0):
-        """The coordinator's `Schedule.Status` (raises grpc.aio.AioRpcError when it does not answer)."""
+        """The coordinator's `Schedule.Status` (raises grpc.aio.AioRpcError when it does not answer;
+        the next call then goes to the lease's holder, should a standby have taken over: every
+        caller, a replacement waiting for a vacancy as much as the heartbeat, follows it)."""
         try:
             st = await coordinator_status(self.channel(), self.run_id, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             await self._failed(exc)
+            await self.relocate()
             raise
         news = self.last_status is None or st.reason != self.last_status.reason
         self.last_status = st
@@ -143,7 +146,7 @@ class CoordinatorLink:
             try:
                 await self.status(timeout=max(HEARTBEAT_S, 2.0))
             except grpc.aio.AioRpcError:
-                await self.relocate()                  # noted by status(); a standby may have taken over
+                pass                                   # noted by status(), which follows a takeover
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _answered(self) -> bool:

@@ -177,8 +177,9 @@ class StageRecovery:
 
     def __init__(self, *, ctx, me: str, n_stages: int, cfg: CheckFreeConfig, build: Callable[[int], nn.Module],
                  cfg_hash_of: Callable[[int], str], status, has_checkpoint: Callable[[int], bool] = lambda s: False,
-                 offload=None):
+                 offload=None, coordinator_outage_s: float = 900.0):
         self.ctx, self.me, self.n_stages, self.cfg = ctx, me, n_stages, cfg
+        self.coordinator_outage_s = coordinator_outage_s   # stage.coordinator_outage_s
         self.build, self.cfg_hash_of, self.status = build, cfg_hash_of, status
         self.has_checkpoint, self.offload = has_checkpoint, offload
         self.run_id = ctx.config.run_id
@@ -215,12 +216,13 @@ class StageRecovery:
         """(stage to take, the coordinator's status) once the coordinator names one."""
         t0 = time.monotonic()
         deadline = t0 + max(self.cfg.wait_s, 60.0)
+        gone_since: float | None = None          # the coordinator stopped answering (a restart, a takeover)
         last = None
         short_since: dict[int, float] = {}       # a hot spare: stage -> when it was first seen short
         while self.cfg.standby or time.monotonic() < deadline:
             try:
                 st = await self.status()
-                last = st
+                last, gone_since = st, None
                 now = time.monotonic()
                 short_since = {s: short_since.get(s, now) for s in st.short_stages}
                 # a lost stage or replica first; with none, join the least-replicated stage (a replica
@@ -234,7 +236,17 @@ class StageRecovery:
                     return st.vacancy, st
             except grpc.aio.AioRpcError as exc:
                 log.info("coordinator status not available yet: %s", exc.details())
+                # no coordinator to name a vacancy: the wait for one does not count against wait_s,
+                # up to coordinator_outage_s (a restarted bootstrap or a standby takes over meanwhile)
+                now = time.monotonic()
+                gone_since = now if gone_since is None else gone_since
+                if now - gone_since <= self.coordinator_outage_s:
+                    deadline = max(deadline, now + RETRY_S + 1.0)
             await asyncio.sleep(RETRY_S)
+        if gone_since is not None:
+            raise RecoveryError(f"the coordinator did not answer for {time.monotonic() - gone_since:.0f} s "
+                                f"(stage.coordinator_outage_s={self.coordinator_outage_s:.0f}); start the "
+                                "replacement again once a bootstrap answers")
         raise RecoveryError(f"the coordinator named no stage to take (last status: {last}); start the replacement "
                             "once a schedule runs")
 

@@ -44,7 +44,7 @@ def stage_recovery(ctx, s: StageSettings, compute: Compute, status: Callable[[],
     return StageRecovery(
         ctx=ctx, me=ctx.peer_id, n_stages=s.schedule.stages, cfg=s.stage.checkfree,
         build=lambda i: build_module(s, i), cfg_hash_of=lambda i: cfg_hash_of(s, i), offload=compute.run,
-        status=status,
+        status=status, coordinator_outage_s=s.stage.coordinator_outage_s,
         has_checkpoint=lambda i: bool(root) and newest_checkpoint(root, i, CHECKPOINT_FORMAT,
                                                                   cfg_hash_of(s, i)) is not None)
 

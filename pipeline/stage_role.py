@@ -285,8 +285,8 @@ class StageRole(TrainingRole):
             parts, iteration = await self._take_stage()
         except RecoveryError as exc:
             emit(self.log, "recovery_failed", "recovery failed: {error}", level=logging.ERROR, error=str(exc))
-            self._fail("recovery_failed")
-            return
+            self.stop()
+            raise                        # the training task fails: the node exits 1, never a clean 0
         details = await self.compute.run(self._setup, parts, iteration, asyncio.get_running_loop())
         await self.take_snapshot()
         self.update_card(StageCard(stage=self.cfg.index, memory=self.settings.schedule.memory,

@@ -38,3 +38,24 @@ def test_an_unwritable_state_dir_raises_and_leaves_no_temp_file(tmp_path):
     finally:
         tmp_path.chmod(0o700)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_restarted_coordinator_reports_the_epoch_the_run_reached_before_it_plans(tmp_path):
+    """A replacement stage node takes a vacancy only once a run is underway (status epoch > 0): a
+    restarted (or newly active) coordinator has published nothing yet, but must say so (issue 29:
+    replacements started during the outage waited out `wait_s` and failed)."""
+    from types import SimpleNamespace
+
+    from pipeline.config import ScheduleConfig
+    from pipeline.coordinator import ScheduleCoordinator
+
+    save_epoch(tmp_path, "run", 5)
+    ctx = SimpleNamespace(config=SimpleNamespace(state_dir=str(tmp_path), run_id="run"))
+    coord = ScheduleCoordinator(ctx, ScheduleConfig(stages=3), activation_bytes=1)
+    coord.live = [("peer-s2", 2)]                     # only stage 2 has a node: stages 0 and 1 are vacant
+    st = coord.status()
+    assert st.epoch == 5 and list(st.missing_stages) == [0, 1] and st.vacancy == 0
+    fresh = ScheduleCoordinator(SimpleNamespace(config=SimpleNamespace(state_dir=str(tmp_path / "new"),
+                                                                       run_id="run")),
+                                ScheduleConfig(stages=3), activation_bytes=1)
+    assert fresh.status().epoch == 0                  # a run's start: nothing to rebuild from yet

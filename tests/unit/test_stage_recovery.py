@@ -413,3 +413,58 @@ def test_a_stage_skeleton_is_built_once_when_the_warm_up_and_the_rebuild_ask_tog
     assert builds == [1], builds
     assert names == [n for n, _ in mod.named_parameters()] and names
     assert all(p.device.type == "meta" for p in mod.parameters())
+
+
+def _outage_recovery(monkeypatch, answers, outage_s):
+    """A StageRecovery whose `status()` plays `answers` (an exception = the coordinator does not
+    answer) on a fake clock that moves 10 s per call."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pipeline.recovery as recovery
+    from pipeline.config import CheckFreeConfig
+    from pipeline.recovery import StageRecovery
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(recovery, "time", SimpleNamespace(monotonic=lambda: clock["t"], time=lambda: clock["t"]))
+    monkeypatch.setattr(recovery, "RETRY_S", 0.0)
+    it = iter(answers)
+
+    async def status():
+        clock["t"] += 10.0
+        a = next(it)
+        if isinstance(a, Exception):
+            raise a
+        return a
+    rec = StageRecovery(ctx=SimpleNamespace(config=SimpleNamespace(run_id="r")), me="peerZ", n_stages=3,
+                        cfg=CheckFreeConfig(), build=lambda i: None, cfg_hash_of=str, status=status,
+                        coordinator_outage_s=outage_s)
+    return rec, (lambda coro: asyncio.run(asyncio.wait_for(coro, 10)))
+
+
+def _unavailable():
+    import grpc
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="failed to connect to all addresses")
+
+
+def test_a_replacement_waits_out_a_coordinator_outage_for_its_vacancy(monkeypatch):
+    """Issue 29: a replacement started while the bootstrap is down (restarting, or a standby about
+    to take over) waits for a coordinator instead of giving up after `wait_s`: 12 calls without an
+    answer are 120 s on the fake clock, past the 60 s floor of the vacancy wait."""
+    from types import SimpleNamespace
+
+    vacant = SimpleNamespace(short_stages=[1], vacancy=1, epoch=3, suspended=True)
+    rec, run = _outage_recovery(monkeypatch, [_unavailable()] * 12 + [vacant], outage_s=900.0)
+    stage, st = run(rec.vacancy())
+    assert stage == 1 and st is vacant
+
+
+def test_a_replacement_gives_up_after_coordinator_outage_s_and_says_so(monkeypatch):
+    import pytest
+
+    from pipeline.checkfree import RecoveryError
+
+    rec, run = _outage_recovery(monkeypatch, [_unavailable()] * 40, outage_s=100.0)
+    with pytest.raises(RecoveryError, match="did not answer for"):
+        run(rec.vacancy())
