@@ -101,6 +101,8 @@ PIPELINE = [
     "data.seq_len=32", "data.batch_size=4", "data.max_train_bytes=200000", "data.max_val_bytes=20000",
     "stage.torch_threads=1", "stage.eval_every=0", "stage.optim.lr=0.003", "stage.optim.warmup=0",
     "stage.compute_delay_s=0.05", "stage.iteration_timeout_s=60",
+    # 3 stages: both transformer stages are edge stages, rebuilt by copying their one neighbour
+    "stage.checkfree.allow_edge_copy=true",
 ]
 COMMON = ["card.refresh_s=2", "card.ttl_s=10", "drain.budget_s=10"]
 LEASE = ["bootstrap.lease_s=6", "bootstrap.settle_s=2"]
