@@ -207,8 +207,8 @@ class CheckFreeConfig(BaseModel):
 
     embed_copy_every: int = Field(10, ge=0)
     """Stage-1 nodes keep a copy of stage 0's weights (embedding, final norm, head), fetched from a
-    data node every this many iterations, so a swarm that loses every data node rebuilds stage 0
-    from it with a fresh optimizer (the copy is at most this old). 0 = no
+    data node whenever the copy is this many iterations old, so a swarm that loses every data node
+    rebuilds stage 0 from it with a fresh optimizer (the copy is at most this old, plus one fetch). 0 = no
     copy (a lost stage 0 then needs `checkpoint_dir`). Each refresh downloads stage 0's weights
     once: raise it when they are large and data nodes rarely fail."""
 

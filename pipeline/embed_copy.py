@@ -32,12 +32,19 @@ class EmbedCopy:
         self.ctx, self.recovery, self.every, self.update_card = ctx, recovery, every, update_card
         self.copy: StateSnapshot | None = None
         self._task: asyncio.Task | None = None
+        self._retry_after = 0                    # after a failed refresh: not before this iteration
 
     def due(self, iteration: int) -> bool:
-        """A refresh is due after this step (the first one, then every `every`), none running."""
-        if not self.every or not (iteration % self.every == 0 or self.copy is None):
+        """A refresh is due after this step when none runs and the copy is `every` iterations old
+        (or there is none yet). Measured from the copy's own iteration, not by multiples of
+        `every`: a refresh still running at the next multiple (a slow fetch on a loaded node) no
+        longer skips it, which left copies up to twice `every` old. A failed refresh waits `every`
+        iterations before the next try."""
+        if not self.every or iteration < self._retry_after:
             return False
-        return self._task is None or self._task.done()
+        if self._task is not None and not self._task.done():
+            return False
+        return self.copy is None or iteration - int(self.copy.meta["iteration"]) >= self.every
 
     def maybe_refresh(self, iteration: int) -> None:
         """After stage 1's step `iteration`: start a refresh (supervised) when one is due."""
@@ -65,6 +72,7 @@ class EmbedCopy:
             emit(log, "embed_copy_failed", "stage 0's copy not refreshed at iteration {iteration} ({error}); keeping "
                  "the copy of iteration {kept}", level=logging.WARNING, iteration=iteration, error=str(exc),
                  kept=self.copy.meta["iteration"] if self.copy else None)
+            self._retry_after = iteration + self.every
             return
         got = int(meta["iteration"])
         self.copy = StateSnapshot({"stage": 0, "iteration": got}, weights, None)

@@ -98,7 +98,7 @@ def test_eval_time_is_left_out_of_the_training_seconds():
     assert not math.isnan(_sample("swarmnode_eval_loss"))
 
 
-async def test_stage_1_refreshes_its_copy_first_then_every_n_iterations_one_at_a_time():
+async def test_stage_1_refreshes_its_copy_first_then_whenever_it_is_n_iterations_old_one_at_a_time():
     started: list[int] = []
     gate = asyncio.Event()
 
@@ -111,7 +111,7 @@ async def test_stage_1_refreshes_its_copy_first_then_every_n_iterations_one_at_a
     async def refresh(iteration):
         started.append(iteration)
         await gate.wait()
-        copy.copy = object()
+        copy.copy = SimpleNamespace(meta={"iteration": iteration})
     copy.refresh = refresh
     copy.maybe_refresh(1)                                   # no copy yet: the first step refreshes
     await asyncio.sleep(0)
@@ -119,12 +119,34 @@ async def test_stage_1_refreshes_its_copy_first_then_every_n_iterations_one_at_a
     await asyncio.sleep(0)
     gate.set()
     await asyncio.sleep(0.01)
-    for it in (11, 12, 19):
-        copy.maybe_refresh(it)                              # a copy is kept: only multiples of 10
-    copy.maybe_refresh(20)
+    # the copy of iteration 1 is 10 old at step 11: refreshed at once, not at step 20 (under load
+    # a slow first fetch made the copy 19 iterations old and failed test_checkfree_swarm)
+    copy.maybe_refresh(11)
     await asyncio.sleep(0.01)
-    assert started == [1, 20]
+    for it in (12, 19, 20):
+        copy.maybe_refresh(it)                              # the copy of 11 is fresh enough
+    copy.maybe_refresh(21)
+    await asyncio.sleep(0.01)
+    assert started == [1, 11, 21]
     assert not EmbedCopy(None, None, every=0, update_card=None).due(10)   # 0 = no copy
+
+
+async def test_a_failed_refresh_is_tried_again_after_n_iterations_not_at_every_step():
+    class Supervisor:
+        def spawn(self, name, factory, restart=True):
+            return asyncio.get_running_loop().create_task(factory())
+
+    class Failing:
+        calls = 0
+
+        async def fetch(self, stage, *, optimizer, min_iteration=0, holder=None):
+            Failing.calls += 1
+            raise RuntimeError("no data node serves stage 0")
+    copy = EmbedCopy(SimpleNamespace(supervisor=Supervisor()), Failing(), every=10, update_card=None)
+    for it in range(1, 12):
+        copy.maybe_refresh(it)
+        await asyncio.sleep(0.01)
+    assert Failing.calls == 2 and copy.copy is None       # steps 1 and 11
 
 
 async def test_the_copy_takes_the_data_nodes_state_of_the_iteration_it_is_finishing():
