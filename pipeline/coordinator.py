@@ -160,6 +160,7 @@ class LivenessProbe:
         self.served: set[str] = set()
         self.last_ok: dict[str, float] = {}
         self.down: dict[str, str] = {}          # peer ID -> why
+        self.back: set[str] = set()             # down nodes that answered SERVING again (frozen, then resumed)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def _probe(self, peer_id: str, addr: str, now: float) -> None:
@@ -185,9 +186,30 @@ class LivenessProbe:
         # NOT_SERVING alone is not "down": a node whose DHT routing table emptied reports it while
         # its pipeline streams still work; a draining node's card turns `draining` at once instead
 
+    async def _recheck(self, peer_id: str, addr: str) -> None:
+        """A down node whose card is live again: SERVING -> `back` (the planner decides whether
+        it may fill its stage again)."""
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                               timeout=self.timeout_s)
+        except Exception:  # noqa: BLE001 - still down
+            return
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            self.back.add(peer_id)
+
+    def readmit(self, peer_id: str, now: float) -> None:
+        self.down.pop(peer_id, None)
+        self.back.discard(peer_id)
+        self.fails[peer_id] = 0
+        self.last_ok[peer_id] = now
+
     async def probe(self, members: list[tuple], now: float) -> None:
         todo = [(m[0], m[2]) for m in members if m[2] and m[0] not in self.down]
-        await asyncio.gather(*(self._probe(p, a, now) for p, a in todo))
+        again = [(m[0], m[2]) for m in members if m[2] and m[0] in self.down]
+        await asyncio.gather(*(self._probe(p, a, now) for p, a in todo), *(self._recheck(p, a) for p, a in again))
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -210,6 +232,26 @@ def pick_vacancy(replicas: dict[int, int], claimed: set[int] | frozenset = froze
     peak = peak or {}
     return min((s for s in replicas if s > 0),
                key=lambda s: (-(peak.get(s, 0) - replicas[s]), replicas[s], s), default=-1)
+
+
+def readmit_returned(probe: LivenessProbe, members: list[tuple], quarantined, now: float) -> list[tuple]:
+    """The stage members to plan with: not down, not quarantined. A down node that answers SERVING
+    again (frozen past its probes, then resumed: it kept its weights, and a pipeline with its stage
+    empty stood still meanwhile) fills its stage again, but only while that stage has no other
+    live node: a stage a replacement rebuilt meanwhile keeps the replacement (two replicas with
+    different weights would fail each other's audits)."""
+    live = [m for m in members if m[0] not in probe.down and m[0] not in quarantined]
+    for m in members:
+        if m[0] in probe.back and m[0] not in quarantined:
+            if not any(x[1] == m[1] for x in live):
+                why = probe.down.get(m[0], "down")
+                probe.readmit(m[0], now)
+                live.append(m)
+                emit(log, "stage_node_back", "stage {stage} node {peer} answers again (it was {why}): it fills its "
+                     "stage again", level=logging.WARNING, stage=m[1], peer=m[0][:16], why=why)
+            else:
+                probe.back.discard(m[0])
+    return live
 
 
 class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
@@ -292,7 +334,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                 if self.scheduled:
                     planned_ids = {m[0] for m in self.scheduled}
                     await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
-                members = [m for m in members if m[0] not in self.probe.down and m[0] not in self.quarantined]
+                members = readmit_returned(self.probe, members, self.quarantined, loop.time())
                 pending: dict[str, int] = {}
                 if self.admission is not None:      # only nodes that answered a stage probe are planned
                     pending = self.admission.claims(members)

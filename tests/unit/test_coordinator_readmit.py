@@ -1,0 +1,42 @@
+"""A stage node frozen past its liveness probes, then resumed (issue 29, the chaos soak: SIGSTOP for
+20-60 s): the coordinator took it for down and never probed it again, so the pipeline, one node per
+stage, stayed suspended for good. Now a down node that answers SERVING again fills its stage again,
+but only while no other node holds that stage (pipeline/coordinator.py `readmit_returned`)."""
+
+from __future__ import annotations
+
+from pipeline.coordinator import LivenessProbe, readmit_returned
+
+S0, S1, S2, NEW2 = ("peer-s0", 0, "a0"), ("peer-s1", 1, "a1"), ("peer-s2", 2, "a2"), ("peer-new2", 2, "a3")
+
+
+def probe_with(down: dict[str, str], back: set[str]) -> LivenessProbe:
+    p = LivenessProbe()
+    p.down.update(down)
+    p.back.update(back)
+    return p
+
+
+def test_a_down_node_that_answers_again_fills_its_empty_stage():
+    p = probe_with({"peer-s2": "unreachable (DEADLINE_EXCEEDED)"}, {"peer-s2"})
+    live = readmit_returned(p, [S0, S1, S2], set(), now=5.0)
+    assert live == [S0, S1, S2]
+    assert "peer-s2" not in p.down and not p.back and p.fails["peer-s2"] == 0 and p.last_ok["peer-s2"] == 5.0
+
+
+def test_a_down_node_that_has_not_answered_stays_out():
+    p = probe_with({"peer-s2": "unreachable (UNAVAILABLE)"}, set())
+    assert readmit_returned(p, [S0, S1, S2], set(), now=5.0) == [S0, S1]
+    assert "peer-s2" in p.down
+
+
+def test_a_returning_node_does_not_join_a_stage_a_replacement_holds():
+    p = probe_with({"peer-s2": "unreachable (DEADLINE_EXCEEDED)"}, {"peer-s2"})
+    assert readmit_returned(p, [S0, S1, S2, NEW2], set(), now=5.0) == [S0, S1, NEW2]
+    assert "peer-s2" in p.down and not p.back
+
+
+def test_a_quarantined_node_is_never_readmitted():
+    p = probe_with({"peer-s2": "unreachable (DEADLINE_EXCEEDED)"}, {"peer-s2"})
+    assert readmit_returned(p, [S0, S1, S2], {"peer-s2"}, now=5.0) == [S0, S1]
+    assert "peer-s2" in p.down
