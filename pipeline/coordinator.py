@@ -510,6 +510,14 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                  "replacement joins (start a `stage` node with stage.checkfree.recover=true)", level=logging.WARNING, stage=s,
                  detect_s=round(detect_s, 3), lost=why, epoch=self.epoch,
                  adjacent_lost=sorted(x for x in (s - 1, s + 1) if replicas.get(x) == 0))
+        if self.suspended_since is not None and {m[0] for m in self.scheduled} <= {m[0] for m in members}:
+            # every node of the published plan is live again (a frozen node that answers again,
+            # `readmit_returned`): the plan runs on as it is, and no stage counts as lost any more
+            # (a later replacement would take them for lost in the same incident)
+            emit(log, "schedule_resumed", "schedule resumed on epoch {epoch} after {suspended_s:.1f} s suspended: "
+                 "its nodes answer again", epoch=self.epoch, suspended_s=round(now - self.suspended_since, 3))
+            self.suspended_since = None
+            self.reported_down.clear()
 
     def status(self) -> pipeline_pb2.ScheduleStatus:
         replicas = stage_replicas(self.live, self.cfg.stages)

@@ -40,3 +40,24 @@ def test_a_quarantined_node_is_never_readmitted():
     p = probe_with({"peer-s2": "unreachable (DEADLINE_EXCEEDED)"}, {"peer-s2"})
     assert readmit_returned(p, [S0, S1, S2], {"peer-s2"}, now=5.0) == [S0, S1]
     assert "peer-s2" in p.down
+
+
+def test_the_plan_resumes_and_forgets_its_lost_stages_once_every_planned_node_is_back(tmp_path):
+    """Stage 1's node frozen (down, the plan suspended) then back: the published plan runs on as it
+    is, so no new epoch clears the suspension; without this, stage 1 stayed 'lost in the same
+    incident' and a later replacement for stage 2 found no transformer stage to rebuild from."""
+    from types import SimpleNamespace
+
+    from pipeline.config import ScheduleConfig
+    from pipeline.coordinator import ScheduleCoordinator
+
+    coord = ScheduleCoordinator(SimpleNamespace(config=SimpleNamespace(state_dir=str(tmp_path), run_id="run")),
+                                ScheduleConfig(stages=3), activation_bytes=1)
+    coord.scheduled = [S0, S1, S2]
+    coord._check_liveness([S0, S2], now=10.0)
+    assert coord.reported_down == {1} and coord.suspended_since == 10.0
+    coord._check_liveness([S0, S1, S2], now=14.0)
+    coord.live = [S0, S1, S2]
+    assert coord.reported_down == set() and coord.suspended_since is None
+    st = coord.status()
+    assert list(st.down_stages) == [] and not st.suspended and not st.hold
