@@ -258,7 +258,7 @@ class Soak:
     def restart(self, name: str, extra: list[str] | None = None) -> NodeProc:
         """Start a killed node again on its ports. A noloco worker comes back as itself and resumes
         from its checkpoint; a stage node holds no checkpoint, so it comes back the way a lost
-        stage is replaced (docs/pipeline.md, 'Losing a stage'): a new machine, i.e. a new key,
+        stage is replaced (docs/pipeline.md, 'CheckFree recovery'): a new machine, i.e. a new key,
         with ``stage.checkfree.recover=true``, rebuilding the stage from its neighbours."""
         old = self.current[name]
         if extra is not None:
