@@ -163,13 +163,17 @@ class LivenessProbe:
         self.back: set[str] = set()             # down nodes that answered SERVING again (frozen, then resumed)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def _probe(self, peer_id: str, addr: str, now: float) -> None:
+    async def _check(self, addr: str):
+        """One `grpc.health.v1` Check of `addr` (its channel kept); raises what the call raises."""
         ch = self._channels.get(addr)
         if ch is None:
             ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+        return await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                          timeout=self.timeout_s)
+
+    async def _probe(self, peer_id: str, addr: str, now: float) -> None:
         try:
-            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
-                                                               timeout=self.timeout_s)
+            reply = await self._check(addr)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.fails[peer_id] = self.fails.get(peer_id, 0) + 1
@@ -189,12 +193,8 @@ class LivenessProbe:
     async def _recheck(self, peer_id: str, addr: str) -> None:
         """A down node whose card is live again: SERVING -> `back` (the planner decides whether
         it may fill its stage again)."""
-        ch = self._channels.get(addr)
-        if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
         try:
-            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
-                                                               timeout=self.timeout_s)
+            reply = await self._check(addr)
         except Exception:  # noqa: BLE001 - still down
             return
         if reply.status == health_pb2.HealthCheckResponse.SERVING:
