@@ -82,6 +82,7 @@ from pipeline.stage_probe import PROBE_CHANNEL, ProbeServer, ProbeSpec
 from pipeline.stage_progress import StageCard, StageProgress
 from pipeline.stage_timing import measure_forward_s
 from pipeline.stage_transport import StageTransport
+from pipeline.stage_watchdog import watch
 from protocol import pipeline_pb2_grpc
 from protocol.streams import add_tensor_stream_to_server
 
@@ -566,67 +567,8 @@ class StageRole(TrainingRole):
             await self._start_iteration()
 
     async def _watchdog(self) -> None:
-        """No step for `stage.iteration_timeout_s`: a suspended schedule waits; a coordinator that
-        does not answer is waited for up to `stage.coordinator_outage_s` (it re-plans when it is
-        back); else the node waits once for a new plan (the coordinator drops a node that stalls
-        its plan and re-plans, `schedule.stall_s`); when none came, or the coordinator stayed away,
-        it gives up and exits 1 (`pipeline_stuck` says which): a stuck pipeline is a failure, never
-        a clean exit."""
-        waited_on: int | None = None          # the schedule epoch this node already waited past once
-        unanswered_since: float | None = None  # when the coordinator stopped answering this watchdog
-        while not self.stopping:
-            await asyncio.sleep(min(5.0, self.cfg.iteration_timeout_s / 4))
-            if time.monotonic() - self.stats.last_step <= self.cfg.iteration_timeout_s or self.stopping:
-                continue
-            try:
-                st = await self.link.status()
-            except Exception as exc:  # noqa: BLE001 - no answer: treat as stuck
-                st = None
-                self.log.info("coordinator status unavailable: %r", exc)
-            if st is None:
-                now = time.monotonic()
-                unanswered_since = now if unanswered_since is None else unanswered_since
-                if now - unanswered_since < self.cfg.coordinator_outage_s:
-                    emit(self.log, "pipeline_stuck", "iteration {iteration} made no progress for {timeout_s:.0f} s; "
-                         "waiting for: {waiting_for}; the coordinator does not answer: waiting for it to come back "
-                         "and re-plan ({outage_s:.0f} s of stage.coordinator_outage_s={limit_s:.0f} s; restart the "
-                         "bootstrap with its key file, or start a standby)", level=logging.WARNING,
-                         iteration=self.ex.iteration, timeout_s=self.cfg.iteration_timeout_s,
-                         waiting_for=self.ex.waiting_for(), epoch=self.ex.latest_epoch,
-                         action="wait_for_coordinator", exit_code=None, outage_s=now - unanswered_since,
-                         limit_s=self.cfg.coordinator_outage_s)
-                    self.stats.touch()
-                    continue
-            else:
-                unanswered_since = None
-            if st is not None and st.suspended:
-                emit(self.log, "pipeline_suspended", "iteration {iteration} waits: the coordinator suspended the "
-                     "schedule ({reason}); start a replacement with stage.checkfree.recover=true",
-                     level=logging.WARNING, iteration=self.ex.iteration, reason=st.reason,
-                     missing=list(st.missing_stages))
-                self.stats.touch()
-                continue
-            wait = st is not None and waited_on != self.ex.latest_epoch
-            emit(self.log, "pipeline_stuck", "iteration {iteration} made no progress for {timeout_s:.0f} s; waiting "
-                 "for: {waiting_for}; {action_text}", level=logging.WARNING if wait else logging.ERROR,
-                 iteration=self.ex.iteration, timeout_s=self.cfg.iteration_timeout_s,
-                 waiting_for=self.ex.waiting_for(), epoch=self.ex.latest_epoch,
-                 action="wait_for_plan" if wait else "exit", exit_code=None if wait else 1,
-                 action_text=("waiting one more timeout for the coordinator to drop the stalling node and re-plan"
-                              if wait else "no new plan came" if st is not None else "the coordinator did not "
-                              f"answer for stage.coordinator_outage_s={self.cfg.coordinator_outage_s:.0f} s"
-                              ) + ("" if wait else "; giving up (exit 1)"))
-            if wait:
-                waited_on = self.ex.latest_epoch
-                self.stats.touch()
-                continue
-            self.stop()
-            raise PipelineStuck(f"pipeline stuck at iteration {self.ex.iteration} (epoch {self.ex.latest_epoch}); "
-                                "see the pipeline_stuck line above")
-
-
-class PipelineStuck(RuntimeError):
-    """The stage watchdog gave up on a stuck pipeline: the node exits 1 (its supervised task fails)."""
+        """pipeline/stage_watchdog.py: a stuck pipeline waits (suspended, coordinator gone) or exits 1."""
+        await watch(self)
 
 
 __all__ = ["CHECKPOINT_FORMAT", "StageCard", "StageRole", "StageSettings", "activation_bytes", "stage_cfg_hash"]

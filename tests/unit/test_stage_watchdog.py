@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.stage_progress import StageProgress
-from pipeline.stage_role import PipelineStuck, StageRole
+from pipeline.stage_role import StageRole
+from pipeline.stage_watchdog import PipelineStuck
 
 
 def fake_role(statuses, outage_s: float = 0.0):
