@@ -14,8 +14,7 @@ after that round's root stopped collecting: the two live workers stayed a round 
 round solo; outcome "moved_on" when nobody else was seen). A root taken with nobody lower in
 sight (at the settle) that then sees a lower peer, before any contribution, follows it as a
 member: that peer is the root in its own view and waits for us (two roots alone, both solo).
-The mean is computed
-once (ascending peer ID) and sent bitwise to every member; a member whose gather failed gets
+The mean is computed once (ascending peer ID) and sent bitwise to every member; a member whose gather failed gets
 outcome "failed" and must re-fetch phi (DiLoCo assumes identical phi). Bounds: the root
 checks each contribution against its own tensors (``exchange_server``), a member checks the
 mean it reads back against its own; a member that rejects the mean fails the round (solo,
