@@ -12,7 +12,10 @@ peer there is (the first joiner of a one-worker swarm) is adopted unchecked and 
 (``StateFetchError.transient``: it has not read the joiner's new card yet, it is busy) is asked
 again after a short wait while the download budget lasts, before the choice: otherwise one slow
 honest donor leaves an honest and a forged state, no majority, and the joiner starts from
-scratch. Called by ``TrainingRole.download_state`` (node/training.py).
+scratch. When several donors were listed but only one download worked, that one is not adopted
+(``state_donor_unconfirmed``): a forger that answers every caller at once while the honest
+donors are slow would otherwise win by default; the caller reads the cards and tries again. Called
+by ``TrainingRole.download_state`` (node/training.py).
 """
 
 from __future__ import annotations
@@ -63,16 +66,17 @@ async def download_checked(donors: Sequence[CardView], fetch: Fetch, names: Sequ
                            offload: Callable[..., Awaitable[Any]] | None = None,
                            retry_s: float = RETRY_S) -> Downloaded | None:
     """Download from ``donors`` (best first) until ``compare`` succeeded or ``compare + tries - 1``
-    downloads were tried, then choose. ``fetch(view)`` downloads one donor's (meta, tensors);
+    first asks were made, then choose. ``fetch(view)`` downloads one donor's (meta, tensors);
     ``names`` are the tensors compared (the weights); a served progress outside ``[min_progress,
     card + ahead]`` is a failed download. When every donor was asked and fewer than ``compare``
     answered, the ones that refused transiently are asked again after ``retry_s`` (doubling each
-    time) while the budget lasts. None when nothing could be downloaded or no majority agreed
-    (each case logged and counted)."""
+    time), at most ``tries - 1`` times. None when nothing could be downloaded, no majority
+    agreed, or one download worked of several donors (each case logged and counted)."""
     run = offload or asyncio.to_thread
     got: list[tuple[CardView, dict[str, str], dict[str, torch.Tensor], int]] = []
     queue, budget = list(donors), max(1, compare) + max(0, tries - 1)
     again: list[CardView] = []  # refused transiently: worth asking again
+    retries = max(0, tries - 1)  # waves of asking the transient refusers again
 
     async def one(view: CardView):
         addr = view.card.grpc_addr
@@ -93,20 +97,29 @@ async def download_checked(donors: Sequence[CardView], fetch: Fetch, names: Sequ
         return view, meta, tensors, served
 
     delay = retry_s
-    while budget > 0 and len(got) < compare:
-        if not queue:
-            if not again:
-                break
-            queue, again[:] = list(again), []
+    while len(got) < compare:
+        if queue and budget > 0:  # first asks
+            wave = queue[:min(compare - len(got), budget)]
+            queue, budget = queue[len(wave):], budget - len(wave)
+        elif again and retries > 0:  # every donor was asked: the transient refusers again
+            retries -= 1
+            wave = again[:compare - len(got)]
+            del again[:len(wave)]
             emit(log, "state_download_retry", "asking {donors} again in {delay_s:.1f} s: refused for a reason that "
-                 "passes ({have} of {want} donors downloaded)", donors=[v.peer_id for v in queue],
+                 "passes ({have} of {want} donors downloaded)", donors=[v.peer_id for v in wave],
                  delay_s=delay, have=len(got), want=compare)
             await asyncio.sleep(delay)
             delay *= 2
-        wave = queue[:min(compare - len(got), budget)]
-        queue, budget = queue[len(wave):], budget - len(wave)
+        else:
+            break
         got += [r for r in await asyncio.gather(*(one(v) for v in wave)) if r is not None]
     if not got:
+        return None
+    if len(got) == 1 and len(donors) > 1:
+        emit(log, "state_donor_unconfirmed", "only {donor}'s download worked of {n} donors: not adopting a state no "
+             "other donor confirms (the others failed or refused; see state_download_failed)",
+             level=logging.WARNING, donor=got[0][0].peer_id, n=len(donors),
+             failed=[v.peer_id for v in donors if v.peer_id != got[0][0].peer_id])
         return None
     cands = [Candidate(v.peer_id, served, [t[n] for n in names]) for v, _, t, served in got]
     verdict = await run(choose_donor, cands, max_distance)
@@ -129,8 +142,7 @@ async def download_checked(donors: Sequence[CardView], fetch: Fetch, names: Sequ
          n_agree=len(verdict.agreeing), n=len(cands), served=chosen[3],
          distances={p: round(d, 4) for p, d in verdict.distances.items()})
     if verdict.lone or label.lone:
-        why = "it is the only peer to ask" if len(donors) <= 1 else \
-            f"{len(donors) - 1} other donor(s) failed or were not asked"
+        why = "it is the only peer to ask" if verdict.lone else "no second agreeing donor served its round"
         emit(log, "state_donor_unchecked", "adopting {donor}'s state without a second donor to compare it with "
              "({why}); {progress_key} {progress}", level=logging.WARNING, donor=verdict.chosen.peer_id, why=why,
              progress_key=progress_key, progress=progress, agreeing=len(verdict.agreeing))

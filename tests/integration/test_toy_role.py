@@ -245,12 +245,17 @@ async def test_toy_role_trains_drains_resumes_and_serves_state(tmp_path, caplog)
         # B downloads A's served state (weights + momentum) through the base's download_state
         exp = {n: (t.dtype, tuple(t.shape)) for n, t in b.engine.model.state_dict().items()}
         opt_exp = {f"m.{n}": (p.dtype, tuple(p.shape)) for n, p in b.engine.model.named_parameters()}
-        got = await b.download_state(views, exp, optimizer=opt_exp, timeout=30)
+        # with the unreachable donor listed, A's download alone is not adopted: nobody confirms it
+        assert await b.download_state(views, exp, optimizer=opt_exp, timeout=30) is None
+        assert _events(caplog, "state_donor_unconfirmed")[-1]["donor"] == pid_a
+        # once A is the only donor there is (the other's card gone), it is adopted unchecked
+        got = await b.download_state([v for v in views if v.peer_id != "12D3KooWbehind"], exp, optimizer=opt_exp,
+                                     timeout=30)
         weights, mom = split_optimizer(got.tensors)
         await b.compute.run(b.engine.model.load_state_dict, weights)
         b.restore(got.meta)
         assert got.donor == pid_a and got.progress == 45 and b.progress() == 45
-        # the other donor is unreachable: A's state is adopted unchecked, and said so
+        # the only donor: A's state is adopted unchecked, and said so
         assert got.lone and _events(caplog, "state_donor_unchecked")[-1]["donor"] == pid_a
         assert all(torch.equal(x, y) for x, y in zip(b.engine.model.state_dict().values(),
                                                      a.engine.model.state_dict().values()))

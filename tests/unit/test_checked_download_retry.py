@@ -69,3 +69,21 @@ async def test_retries_stay_within_the_budget():
     fetch = Donors(states, {"h1": (99, True)})
     assert await _download(donors, fetch, tries=1) is None
     assert fetch.calls == {"forger": 1, "h1": 1, "h2": 1}  # tries=1: one wave, no retry
+
+
+async def test_a_forger_that_answers_while_every_honest_donor_refuses_is_not_adopted(caplog):
+    """CI, under load: both honest donors refused the joiner (its card not read yet) on the first
+    call and on the one retry the budget allowed; the forger, which answers anyone, was the only
+    download and was adopted unchecked. Now the refusers are asked again in waves, and a single
+    download of several donors is never adopted."""
+    caplog.set_level("INFO", logger="swarmnode.test_donor")
+    donors, states = _swarm()
+    fetch = Donors(states, {"h1": (99, True), "h2": (99, True)})
+    assert await _download(donors, fetch) is None
+    assert fetch.calls == {"forger": 1, "h1": 3, "h2": 3}  # both honest donors asked in each of 2 retry waves
+    unconfirmed = [r for r in caplog.records if getattr(r, "event", None) == "state_donor_unconfirmed"]
+    assert unconfirmed and "forger" in unconfirmed[0].getMessage()
+    # the same refusals, passing on the second retry: the forger is outvoted
+    fetch = Donors(states, {"h1": (2, True), "h2": (2, True)})
+    got = await _download(donors, fetch)
+    assert got is not None and got.donor in {"h1", "h2"} and list(got.rejected) == ["forger"]

@@ -174,9 +174,10 @@ async def test_a_lone_donor_is_adopted_and_said_so_and_disagreeing_pairs_are_not
     assert got.donor == "only" and got.lone and got.progress == 7
     unchecked = [r for r in caplog.records if getattr(r, "event", None) == "state_donor_unchecked"]
     assert unchecked and "only peer" in unchecked[0].getMessage()
-    # the other donors failed: the one that answered is adopted unchecked, with that reason
-    got = await _download([_view("h1", 9), _view("busy", 9)], {"h1": (9, _state(1)), "busy": None})
-    assert got.donor == "h1" and got.lone
+    # another donor was listed but failed: the one download that worked is not adopted unconfirmed
+    assert await _download([_view("h1", 9), _view("busy", 9)], {"h1": (9, _state(1)), "busy": None}) is None
+    unconfirmed = [r for r in caplog.records if getattr(r, "event", None) == "state_donor_unconfirmed"]
+    assert unconfirmed and "h1" in unconfirmed[0].getMessage()
     before = _counted("no_majority")
     assert await _download([_view("h", 9), _view("x", 9)], {"h": (9, _state(1)), "x": (9, _scrambled(2))}) is None
     assert _counted("no_majority") == before + 2

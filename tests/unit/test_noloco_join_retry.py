@@ -10,6 +10,7 @@ themselves are tested on real processes."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from node.card import CardView, NodeCard
@@ -22,7 +23,7 @@ def _view(rnd: int) -> CardView:
     return CardView("12D3KooWpeer", card, 0.0)
 
 
-def _role(monkeypatch, answers: list, peer_rounds: list[int]):
+def _role(monkeypatch, answers: list, peer_rounds: list[int], ttl_s: float = 0.0):
     """A NoLoCoRole whose download answers ``answers`` in turn and whose card read shows READY
     peers at ``peer_rounds``."""
     role = R.NoLoCoRole.__new__(R.NoLoCoRole)
@@ -44,7 +45,8 @@ def _role(monkeypatch, answers: list, peer_rounds: list[int]):
     async def run(fn, *args):
         return fn(*args)
 
-    role.ctx = SimpleNamespace(set_role_ready=ready, membership=SimpleNamespace(wait_joined=joined), peer_id="me")
+    role.ctx = SimpleNamespace(set_role_ready=ready, membership=SimpleNamespace(wait_joined=joined), peer_id="me",
+                               config=SimpleNamespace(card=SimpleNamespace(ttl_s=ttl_s)))
     role.compute = SimpleNamespace(run=run)
     role.engine = SimpleNamespace(adopt=lambda rnd, phi: adopted.append((rnd, phi)))
     monkeypatch.setattr(role, "_fetch_from_donor", fetch, raising=False)
@@ -72,3 +74,17 @@ def test_after_every_attempt_failed_it_trains_from_the_seed_and_says_so(monkeypa
     assert len(calls) == R.JOIN_TRIES and adopted == []
     assert [r for r in caplog.records if getattr(r, "event", None) == "join_from_seed"] or \
         "join_from_seed" in caplog.text
+
+
+def test_it_keeps_trying_until_a_crashed_donors_card_could_have_expired(monkeypatch):
+    """One download of two donors is never adopted (node/checked_download.py): when the other
+    donor crashed, its card lives on for ``card.ttl_s``; the joiner tries that long, so the
+    live donor becomes the only peer and is adopted, instead of training from the seed."""
+    role, adopted, calls = _role(monkeypatch, [], [12], ttl_s=0.3)
+    t0 = time.monotonic()
+    asyncio.run(role._join())
+    assert time.monotonic() - t0 >= 0.3 and len(calls) > R.JOIN_TRIES and adopted == []
+    role, adopted, calls = _role(monkeypatch, [None] * 5 + [(12, ["phi"], "12D3KooWhonest")], [12], ttl_s=30.0)
+    monkeypatch.setattr(R, "JOIN_RETRY_S", 0.001)
+    asyncio.run(role._join())
+    assert len(calls) == 6 and adopted == [(12, ["phi"])]
