@@ -8,8 +8,11 @@ rises, audits every unreplicated stage at once instead of waiting for its random
 nothing and quarantines nobody (an honest run's loss wobbles too; its audits then pass).
 
 Rule: the mean of the last `window` iterations' losses is compared with the lowest such mean seen
-so far; above it by `RISE` (relative) is a rise. It fires once per rise: the reference is then
-reset to the current mean, so a loss that keeps rising fires again one `RISE` later.
+so far; above it by `RISE` (relative) is a rise. It fires once per rise: after it fired, it fires
+again only when the mean climbs a further `RISE` above the level it fired at (a loss that keeps
+rising), and it is re-armed when the mean makes a new low `RISE` under the old lowest (training
+goes on). A loss that wobbles on a plateau thus fires once, not at every wobble (it did, every
+1-2 s, with the tiny models of the tests and the chaos soak).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class LossTrend:
         self.window, self.rise = window, rise
         self.losses: dict[int, float] = {}
         self.best = math.inf
+        self.fired: float | None = None  # the mean it last fired at, until re-armed
 
     def note(self, iteration: int, loss: float) -> float | None:
         """Add one iteration's loss (a repeat of a known iteration is ignored); the windowed mean
@@ -41,8 +45,16 @@ class LossTrend:
         if len(recent) < self.window:
             return None
         mean = sum(recent) / len(recent)
+        if self.fired is not None:
+            if mean < self.best * (1 - self.rise):  # a new low well under the old one: re-armed
+                self.best, self.fired = mean, None
+                return None
+            if mean > self.fired * (1 + self.rise):  # still rising
+                self.fired = mean
+                return mean
+            return None
         if mean > self.best * (1 + self.rise):
-            self.best = mean
+            self.fired = mean
             return mean
         self.best = min(self.best, mean)
         return None

@@ -181,6 +181,23 @@ def test_a_rising_loss_fires_once_per_rise_and_a_falling_one_never():
     assert again.note(1, 5.0) is None and again.note(1, 50.0) is None      # a repeated iteration is ignored
 
 
+def test_a_loss_wobbling_on_a_plateau_fires_once_and_training_on_rearms_it():
+    """Seen in the chaos soak: a tiny model's loss on a plateau wobbled 2-4% and the coordinator
+    logged ``loss_rising`` (and audited every unreplicated stage) every 1-2 s."""
+    from pipeline.loss_trend import LossTrend
+    trend = LossTrend(5)
+    plateau = [3.0 if (i // 10) % 2 == 0 else 3.1 for i in range(200)]       # 3.3% up and down, 10 times
+    fired = [i for i, x in enumerate(plateau) if trend.note(i, x) is not None]
+    assert len(fired) == 1, fired
+    # a further rise over the level it fired at (3.08) fires, once
+    assert len([i for i in range(200, 210) if trend.note(i, 3.2) is not None]) == 1
+    # training goes on: a new low well under the old one re-arms it, and the next rise fires again
+    trend = LossTrend(5)
+    xs = [3.0] * 10 + [3.1] * 10 + [2.8] * 10 + [2.9] * 10
+    fired = [i for i, x in enumerate(xs) if trend.note(i, x) is not None]
+    assert len(fired) == 2 and 10 < fired[0] < 20 and 30 < fired[1] < 40, fired
+
+
 def test_match_evidence_uses_the_newest_epoch_of_an_aborted_and_restarted_iteration():
     t = torch.zeros(1, 2, 3)
     old = [Entry(5, "sent", "fwd", 0, 1, S1, t + 9, 1)]                  # the aborted attempt: no output came back
