@@ -43,6 +43,7 @@ its watch streams.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 from collections import OrderedDict
@@ -161,6 +162,9 @@ class LivenessProbe:
         self.last_ok: dict[str, float] = {}
         self.down: dict[str, str] = {}          # peer ID -> why
         self.back: set[str] = set()             # down nodes that answered SERVING again (frozen, then resumed)
+        self.stale: set[str] = set()            # down nodes that came back far behind (logged once)
+        self.started: dict[str, float] = {}     # peer ID -> its card's started_at while it was live
+        self.restarted: set[str] = set()        # readmitted as a new process: the caller re-plans
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def _check(self, addr: str):
@@ -234,21 +238,57 @@ def pick_vacancy(replicas: dict[int, int], claimed: set[int] | frozenset = froze
                key=lambda s: (-(peak.get(s, 0) - replicas[s]), replicas[s], s), default=-1)
 
 
-def readmit_returned(probe: LivenessProbe, members: list[tuple], quarantined, now: float) -> list[tuple]:
+STALE_SLACK = 2
+"""A returning stage node whose card's iteration is more than this behind the live nodes' is not
+readmitted (`readmit_returned`)."""
+
+
+def readmit_returned(probe: LivenessProbe, members: list[tuple], quarantined, now: float,
+                     cards: dict[str, tuple[int | None, float]] | None = None) -> list[tuple]:
     """The stage members to plan with: not down, not quarantined. A down node that answers SERVING
     again (frozen past its probes, then resumed: it kept its weights, and a pipeline with its stage
     empty stood still meanwhile) fills its stage again, but only while that stage has no other
     live node: a stage a replacement rebuilt meanwhile keeps the replacement (two replicas with
-    different weights would fail each other's audits)."""
+    different weights would fail each other's audits). `cards` (peer ID -> its card's (iteration,
+    started_at)): one that came back more than STALE_SLACK iterations behind the live nodes
+    restarted without its state (an older version, or its rebuild failed) and is not planned:
+    the pipeline would stall on its initial weights (`stage_node_stale`, once per node). One that
+    came back as a new process (another `started_at`: restarted, its stage rebuilt) is readmitted
+    into `probe.restarted`: the iteration in flight when it died is lost with it, so the caller
+    re-plans (a new epoch restarts that iteration) instead of resuming the plan."""
     live = [m for m in members if m[0] not in probe.down and m[0] not in quarantined]
+    cards = cards or {}
+    its = {p: c[0] for p, c in cards.items()}
+    for m in live:                            # the process each live node runs as
+        if m[0] in cards:
+            probe.started[m[0]] = cards[m[0]][1]
+    run_it = max((its.get(m[0]) or 0 for m in live), default=0)
     for m in members:
         if m[0] in probe.back and m[0] not in quarantined:
-            if not any(x[1] == m[1] for x in live):
+            behind = (its.get(m[0]) or 0) + STALE_SLACK < run_it
+            if behind:
+                probe.back.discard(m[0])
+                if m[0] not in probe.stale:
+                    probe.stale.add(m[0])
+                    emit(log, "stage_node_stale", "stage {stage} node {peer} answers again at iteration {iteration}, "
+                         "the live nodes are at {run_iteration}: it restarted without its state and is not planned "
+                         "(restart it with stage.checkfree.recover=true to rebuild the stage)", level=logging.WARNING,
+                         stage=m[1], peer=m[0][:16], iteration=its.get(m[0]) or 0, run_iteration=run_it)
+            elif not any(x[1] == m[1] for x in live):
+                probe.stale.discard(m[0])
                 why = probe.down.get(m[0], "down")
+                before, started = probe.started.get(m[0]), cards.get(m[0], (None, None))[1]
+                restarted = before is not None and started is not None and started != before
                 probe.readmit(m[0], now)
+                if started is not None:
+                    probe.started[m[0]] = started
                 live.append(m)
-                emit(log, "stage_node_back", "stage {stage} node {peer} answers again (it was {why}): it fills its "
-                     "stage again", level=logging.WARNING, stage=m[1], peer=m[0][:16], why=why)
+                if restarted:
+                    probe.restarted.add(m[0])
+                emit(log, "stage_node_back", "stage {stage} node {peer} answers again (it was {why}){how}: it fills "
+                     "its stage again", level=logging.WARNING, stage=m[1], peer=m[0][:16], why=why,
+                     restarted=restarted, iteration=its.get(m[0]),
+                     how=f"; restarted, its stage rebuilt at iteration {its.get(m[0])}" if restarted else "")
             else:
                 probe.back.discard(m[0])
     return live
@@ -261,6 +301,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                  audit: StageAuditSpec | None = None, probe: ProbeSpec | None = None):
         self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
+        self.renewed: set[str] = set()                   # readmitted as a new process: named in the next plan
         self.admission = None if probe is None else StageAdmission(ctx, probe, cfg.probe_timeout_s, cfg.stall_s)
         self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
                                                                 self._quarantine)
@@ -334,7 +375,13 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                 if self.scheduled:
                     planned_ids = {m[0] for m in self.scheduled}
                     await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
-                members = readmit_returned(self.probe, members, self.quarantined, loop.time())
+                members = readmit_returned(self.probe, members, self.quarantined, loop.time(),
+                                           {v.peer_id: (card_int(v, "iteration"), v.card.started_at) for v in views})
+                if self.probe.restarted:      # the iteration in flight died with it: a new epoch restarts it
+                    self.renewed |= self.probe.restarted
+                    self.probe.restarted.clear()
+                    planned = None
+                    self._replan_now.set()
                 pending: dict[str, int] = {}
                 if self.admission is not None:      # only nodes that answered a stage probe are planned
                     pending = self.admission.claims(members)
@@ -385,6 +432,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         try:
             sched, cluster = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
                                                      self.activation_bytes, epoch)
+            if self.renewed:   # their old process's part of a running iteration is gone: it aborts
+                sched = dataclasses.replace(sched, renewed=tuple(sorted(self.renewed & set(sched.names))))
+                self.renewed = set()
         except ScheduleViolation as exc:
             self.waiting_reason = f"planning failed: {exc}"
             emit(log, "schedule_failed", "no schedule for {nodes} stage nodes: {error}", level=logging.ERROR, nodes=len(members),

@@ -212,8 +212,10 @@ class StageRecovery:
     async def names(self, stage: int) -> list[str]:
         return [n for n, _ in (await self.skeleton(stage)).named_parameters()]
 
-    async def vacancy(self) -> tuple[int, object]:
-        """(stage to take, the coordinator's status) once the coordinator names one."""
+    async def vacancy(self, prefer: int | None = None) -> tuple[int, object]:
+        """(stage to take, the coordinator's status) once the coordinator names one; `prefer` (a
+        stage node restarted into a run underway: its own stage) is taken whenever it is lost and
+        no other replacement claimed it, before the coordinator's pick."""
         t0 = time.monotonic()
         deadline = t0 + max(self.cfg.wait_s, 60.0)
         gone_since: float | None = None          # the coordinator stopped answering (a restart, a takeover)
@@ -232,6 +234,9 @@ class StageRecovery:
                 refill = (not self.cfg.standby or (self.cfg.standby_refill_s > 0 and st.vacancy in short_since
                                                    and now - short_since[st.vacancy] >= self.cfg.standby_refill_s))
                 needed = st.suspended or (st.vacancy in st.short_stages and refill)
+                if prefer is not None and st.epoch > 0 and prefer in st.missing_stages \
+                        and prefer not in st.claimed_stages:
+                    return prefer, st
                 if st.vacancy >= 0 and st.epoch > 0 and (needed or not patient):
                     return st.vacancy, st
             except grpc.aio.AioRpcError as exc:

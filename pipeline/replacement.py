@@ -25,6 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
+import grpc
+
 from node.compute import Compute
 from node.logs import emit
 from pipeline import stage_metrics as M
@@ -47,6 +49,43 @@ def stage_recovery(ctx, s: StageSettings, compute: Compute, status: Callable[[],
         status=status, coordinator_outage_s=s.stage.coordinator_outage_s,
         has_checkpoint=lambda i: bool(root) and newest_checkpoint(root, i, CHECKPOINT_FORMAT,
                                                                   cfg_hash_of(s, i)) is not None)
+
+
+REJOIN_WATCH_S = 5.0
+"""How long a stage node started with `stage.index` watches the coordinator's status for its stage
+to show as lost before it builds the stage at its initial weights: its previous incarnation (a
+crash, then a restart) is out of the coordinator's members once this process's card replaced the
+old one, a poll or two later."""
+
+
+async def lost_stage_on_start(status: Callable[[], Awaitable], index: int, outage_s: float,
+                              watch_s: float = REJOIN_WATCH_S):
+    """The coordinator's status when a stage node started with `stage.index` (no weights yet)
+    joins a run underway in which stage `index` has no live node: restarted as itself after a
+    crash, or started for a lost stage. Such a node must rebuild the stage (CheckFree) instead of
+    starting at its initial weights at iteration 0 beside neighbours at iteration N (the pipeline
+    stalled on that). None for a fresh run (no schedule yet) or a stage that has live nodes.
+    `status()` is the coordinator link's; while the coordinator does not answer this waits, up
+    to `outage_s` (stage.coordinator_outage_s), then returns None."""
+    t0 = time.monotonic()
+    gone: float | None = None
+    while True:
+        try:
+            st = await status()
+        except grpc.aio.AioRpcError as exc:
+            gone = gone if gone is not None else time.monotonic()
+            if time.monotonic() - gone > outage_s:
+                return None
+            log.info("coordinator status not available yet: %s", exc.details())
+            await asyncio.sleep(1.0)
+            continue
+        if st.epoch == 0:
+            return None
+        if index in st.missing_stages:
+            return st
+        if time.monotonic() - t0 >= watch_s:
+            return None
+        await asyncio.sleep(0.5)
 
 
 class Resync:
@@ -87,14 +126,16 @@ class Replacement:
     the role's typed card update (`publish=True`): the claim goes out at once."""
 
     def __init__(self, ctx, s: StageSettings, recovery: StageRecovery, compute: Compute,
-                 update_card: Callable[[StageCard, bool], None]):
+                 update_card: Callable[[StageCard, bool], None], prefer: int | None = None):
         self.ctx, self.s, self.recovery, self.compute, self.update_card = ctx, s, recovery, compute, update_card
+        self.prefer = prefer
+        """The stage to take first when it is lost (a stage node restarted into a run underway: its own)."""
 
     async def _claim(self):
         """(stage, coordinator status): a vacancy this node's claim holds for."""
         rec = self.recovery
         while True:
-            stage, st = await rec.vacancy()
+            stage, st = await rec.vacancy(self.prefer)
             self.update_card(StageCard(recovering=stage), True)     # the coordinator sends the next one elsewhere
             if await rec.claim_holds(stage):
                 return stage, st
@@ -160,4 +201,4 @@ class Replacement:
         return Taken(parts, r.iteration, resync)
 
 
-__all__ = ["Replacement", "Resync", "Taken", "stage_recovery"]
+__all__ = ["REJOIN_WATCH_S", "Replacement", "Resync", "Taken", "lost_stage_on_start", "stage_recovery"]

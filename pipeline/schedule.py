@@ -53,12 +53,17 @@ class Schedule:
     """"skippipe", "random" or "full" (which builder made it)."""
     names: tuple[str, ...] = field(default=())
     """Optional node names (peer IDs) by index, for the coordinator."""
+    renewed: tuple[str, ...] = field(default=())
+    """Names that run as a new process since the previous epoch (a stage node restarted as itself
+    and rebuilt): an iteration still running on an older epoch counts them as lost (what they held
+    of it died with the old process) and is aborted like one that lost a node."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "partitions", tuple(tuple(int(x) for x in g)
                                                      for g in self.partitions))
         object.__setattr__(self, "paths", tuple(tuple(int(x) for x in p) for p in self.paths))
         object.__setattr__(self, "names", tuple(self.names))
+        object.__setattr__(self, "renewed", tuple(self.renewed))
 
     # --- lookups a stage uses -------------------------------------------------------------
     def stage_of(self, node: int) -> int:
@@ -143,7 +148,8 @@ class Schedule:
                 "paths": {str(i): list(p) for i, p in enumerate(self.paths)},
                 "microbatches": [list(m) for m in self.microbatches()],
                 "expected_makespan": self.expected_makespan,
-                "cost_hash": self.cost_hash, "names": list(self.names)}
+                "cost_hash": self.cost_hash, "names": list(self.names),
+                **({"renewed": list(self.renewed)} if self.renewed else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -160,7 +166,7 @@ class Schedule:
             return cls(partitions=d["partitions"], paths=paths, rules=PathRules(**d["rules"]),
                        epoch=int(d["epoch"]), expected_makespan=float(d["expected_makespan"]),
                        cost_hash=str(d["cost_hash"]), method=str(d.get("method", "")),
-                       names=tuple(d.get("names", ())))
+                       names=tuple(d.get("names", ())), renewed=tuple(str(x) for x in d.get("renewed", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise ScheduleViolation("STRUCT", f"malformed schedule JSON: {exc!r}") from exc
 

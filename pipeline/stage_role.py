@@ -72,7 +72,7 @@ from pipeline.coordinator_link import CoordinatorLink
 from pipeline.embed_copy import EmbedCopy
 from pipeline.live_attacks import LiveAttack
 from pipeline.recovery import optimizer_spec, param_spec, stage_checkpoint_dir
-from pipeline.replacement import Replacement, Resync, stage_recovery
+from pipeline.replacement import Replacement, Resync, lost_stage_on_start, stage_recovery
 from pipeline.schedule import Schedule
 from pipeline.stage_evidence import EVIDENCE_CHANNEL, EvidenceLog, EvidenceServer
 from pipeline.stage_exec import Aborted, BadInput, EvalResult, OriginDone, StageExecutor, StepResult
@@ -336,12 +336,21 @@ class StageRole(TrainingRole):
 
     async def _take_stage(self) -> tuple[StageParts, int]:
         """(the stage's parts, the completed iteration they belong to): `stage.index` at its initial
-        weights, or, for a replacement, the stage the coordinator names, rebuilt from live peers."""
-        if not self.cfg.checkfree.recover:
-            return await self.compute.run(build_parts, self.settings, self.cfg.index), 0
+        weights, or, for a replacement, the stage the coordinator names, rebuilt from live peers. A
+        node started with `stage.index` into a run whose stage `index` is lost (restarted after a
+        crash) rebuilds it as a replacement would (`stage_rejoin`)."""
         await self.link.find()
+        prefer = None
+        if not self.cfg.checkfree.recover:
+            st = await lost_stage_on_start(self.link.status, self.cfg.index, self.cfg.coordinator_outage_s)
+            if st is None:
+                return await self.compute.run(build_parts, self.settings, self.cfg.index), 0
+            prefer = self.cfg.index
+            emit(self.log, "stage_rejoin", "stage {stage} has no live node in schedule epoch {epoch}: rebuilding it "
+                 "from live peers (CheckFree) instead of starting at its initial weights", level=logging.WARNING,
+                 stage=self.cfg.index, epoch=st.epoch, missing=list(st.missing_stages))
         taken = await Replacement(self.ctx, self.settings, self.embed.recovery, self.compute,
-                                  self.update_card).take()
+                                  self.update_card, prefer=prefer).take()
         self._resync = taken.resync
         return taken.parts, taken.iteration
 

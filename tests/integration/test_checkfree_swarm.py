@@ -40,8 +40,10 @@ EMBED_COPY_EVERY = 10
 """`stage.checkfree.embed_copy_every` (its default): how old stage 1's copy of stage 0 may be."""
 
 
-def events(node: NodeProc, event: str) -> list[dict]:
-    text = node.log_text()
+def events(node: NodeProc, event: str, since: int = 0) -> list[dict]:
+    """``node``'s ``event`` records from character ``since`` of its log on (a node restarted as
+    itself appends to its old log)."""
+    text = node.log_text()[since:]
     lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
     return [json.loads(line) for line in lines if f'"event": "{event}"' in line]
 
@@ -68,9 +70,11 @@ def _wait_iteration(node: NodeProc, it: int, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str, standby: bool = False) -> None:
+def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str, standby: bool = False,
+                as_itself: bool = False) -> None:
     """Train, SIGKILL every node of stage `victim`, start a replacement (or, with `standby`, have a
-    hot spare started with the swarm take over: one process start less on the critical path)."""
+    hot spare started with the swarm take over: one process start less on the critical path; with
+    `as_itself`, restart the killed node as itself, its `stage.index` and key, no `recover`)."""
     stages = max(layout) + 1
     t0 = time.monotonic()
     with LocalSwarm(run_id="cf", common_set=settings(stages, plus), workdir=tmp_path) as swarm:
@@ -91,9 +95,14 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
         for n in victims:                               # SIGKILL every replica of the stage
             swarm.kill(n)
         killed_at = time.monotonic()
-        repl = spare or swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true"])
+        since = 0
+        if as_itself:
+            since = len(victims[0].log_text())
+            repl = swarm.restart(victims[0], extra_set=[f"stage.index={victim}", f"schedule.expect_nodes={len(layout)}"])
+        else:
+            repl = spare or swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true"])
         live = {}
-        while not events(repl, "stage_recovered"):
+        while not events(repl, "stage_recovered", since):
             assert repl.alive(), repl.log_text()[-4000:]
             assert time.monotonic() < deadline, "no recovery: " + repl.log_text()[-3000:] + boot.log_text()[-3000:]
             time.sleep(0.3)
@@ -113,7 +122,9 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
     assert events(boot, "schedule_resumed"), boot.log_text()[-3000:]
 
     # the replacement took the lost stage and rebuilt it by the expected rule at the survivors' iteration
-    rec = events(repl, "stage_recovered")[0]
+    rec = events(repl, "stage_recovered", since)[0]
+    if as_itself:    # it learned that its stage was lost, and rebuilt it instead of starting afresh
+        assert [e["stage"] for e in events(repl, "stage_rejoin", since)] == [victim]
     assert rec["stage"] == victim and rec["rule"] == rule, rec
     assert rec["fresh_optimizer"] and rec["lr_base"] == pytest.approx(LR_SCALE * LR), rec
     t = rec["iteration"]
@@ -130,7 +141,7 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
         # at most embed_copy_every + the iterations one fetch takes (0.05 s iterations: a fetch on a
         # loaded CI box spans several); bounded here by twice embed_copy_every
         assert kept and t - age == max(kept) and 0 <= age <= 2 * EMBED_COPY_EVERY, (rec, kept)
-    steps = [e["iteration"] for e in events(repl, "stage_step")]
+    steps = [e["iteration"] for e in events(repl, "stage_step", since)]
     assert steps == list(range(t, ITERATIONS)), steps
     assert live.get('swarmnode_stage_weights_version', -1) >= t
     assert live.get('swarmnode_checkfree_recovery_seconds_count{phase="fetch"}') == 1, live
@@ -165,6 +176,14 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
 def test_checkfree_rebuilds_a_killed_interior_stage(tmp_path):
     """Stage 2 of 0-1-2-3, both of its replicas SIGKILLed: the average of stages 1 and 3."""
     run_failure(tmp_path, layout=[0, 1, 2, 2, 3], victim=2, plus=False, rule="average")
+
+
+def test_a_stage_node_restarted_as_itself_rebuilds_its_lost_stage(tmp_path):
+    """Stage 2 of 0-1-2-3, its only node SIGKILLed and restarted as itself (same key and
+    `stage.index`, no `recover`): it used to start at its initial weights at iteration 0 beside
+    neighbours at 25 and the pipeline stalled; now it sees its stage is lost and rebuilds it
+    (`stage_rejoin`, the average of stages 1 and 3), and the coordinator readmits it."""
+    run_failure(tmp_path, layout=[0, 1, 2, 3], victim=2, plus=False, rule="average", as_itself=True)
 
 
 def test_checkfree_plus_rebuilds_a_killed_edge_stage_from_its_swap_partner(tmp_path):
@@ -249,7 +268,9 @@ def test_a_replacement_copies_a_surviving_replica_and_matches_it_bit_for_bit(tmp
             assert swarm.wait_exit(n, timeout=30) is not None, f"{n.name} did not drain: {n.log_text()[-2000:]}"
     assert not [e for e in events(boot, "stage_down") if e["stage"] == 2 and e["epoch"] == 1], \
         "a stage with a live replica is not down"
-    rec = events(repl, "stage_recovered")[0]
+    rec = events(repl, "stage_recovered", since)[0]
+    if as_itself:    # it learned that its stage was lost, and rebuilt it instead of starting afresh
+        assert [e["stage"] for e in events(repl, "stage_rejoin", since)] == [victim]
     assert rec["stage"] == 2 and rec["rule"] == "replica" and not rec["fresh_optimizer"], rec
     assert rec["lr_base"] == pytest.approx(LR), rec
     for n in survivors:                                  # no restart, no iteration skipped or stepped twice

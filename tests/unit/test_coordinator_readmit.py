@@ -36,6 +36,40 @@ def test_a_returning_node_does_not_join_a_stage_a_replacement_holds():
     assert "peer-s2" in p.down and not p.back
 
 
+def test_a_node_that_came_back_far_behind_is_not_planned_and_said_so_once(caplog):
+    """A stage node restarted as itself without its state answers again at iteration 0 while the
+    live nodes are at 40: planning it stalled the pipeline on its initial weights (issue 29's known
+    gap). A frozen node comes back at the iteration it had (within STALE_SLACK) and is readmitted."""
+    from pipeline.coordinator import STALE_SLACK
+    caplog.set_level("WARNING", logger="swarmnode.pipeline.coordinator")
+    p = probe_with({"peer-s2": "unreachable (UNAVAILABLE)"}, {"peer-s2"})
+    p.started["peer-s2"] = 100.0                            # the process it ran as before it died
+    cards = {"peer-s0": (40, 1.0), "peer-s1": (40, 1.0), "peer-s2": (0, 200.0)}
+    assert readmit_returned(p, [S0, S1, S2], set(), now=5.0, cards=cards) == [S0, S1]
+    assert "peer-s2" in p.down and not p.back
+    p.back.add("peer-s2")                                   # it answers SERVING again at the next poll
+    assert readmit_returned(p, [S0, S1, S2], set(), now=6.0, cards=cards) == [S0, S1]
+    stale = [r for r in caplog.records if getattr(r, "event", None) == "stage_node_stale"]
+    assert len(stale) == 1 and "iteration 0" in stale[0].getMessage()
+    # rebuilt at the live nodes' iteration (it rejoined by CheckFree): readmitted, as a new process
+    # (the iteration in flight died with the old one: the caller re-plans instead of resuming)
+    p.back.add("peer-s2")
+    cards["peer-s2"] = (40 - STALE_SLACK, 200.0)
+    assert readmit_returned(p, [S0, S1, S2], set(), now=7.0, cards=cards) == [S0, S1, S2]
+    assert "peer-s2" not in p.down and not p.stale and p.restarted == {"peer-s2"}
+
+
+def test_a_frozen_node_is_readmitted_as_the_same_process_and_the_plan_resumes():
+    p = LivenessProbe()
+    cards = {"peer-s0": (12, 1.0), "peer-s1": (12, 1.0), "peer-s2": (12, 5.0)}
+    assert readmit_returned(p, [S0, S1, S2], set(), now=1.0, cards=cards) == [S0, S1, S2]
+    p.down["peer-s2"] = "unreachable (DEADLINE_EXCEEDED)"  # SIGSTOP past its probes
+    p.back.add("peer-s2")                                   # SIGCONT: the same process answers again
+    cards["peer-s2"] = (11, 5.0)
+    assert readmit_returned(p, [S0, S1, S2], set(), now=9.0, cards=cards) == [S0, S1, S2]
+    assert not p.restarted and "peer-s2" not in p.down
+
+
 def test_a_quarantined_node_is_never_readmitted():
     p = probe_with({"peer-s2": "unreachable (DEADLINE_EXCEEDED)"}, {"peer-s2"})
     assert readmit_returned(p, [S0, S1, S2], {"peer-s2"}, now=5.0) == [S0, S1]

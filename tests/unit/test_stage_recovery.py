@@ -115,6 +115,26 @@ def test_a_replanned_join_without_a_lost_node_does_not_abort():
         assert not [e for e in ex.events if isinstance(e, Aborted)] and ex.floor_epoch == 0
 
 
+def test_a_plan_naming_a_renewed_node_aborts_the_iteration_its_old_process_held():
+    """A stage node restarted as itself and rebuilt keeps its peer ID, so the re-plan names the
+    same nodes; what its old process held of the running iteration died with it. The plan says so
+    (`renewed`) and the iteration aborts as if the node were lost (on real processes it stalled at
+    iteration 25 for 120 s until the watchdog ended the run)."""
+    sched = _skip_schedule()
+    nodes = _nodes(sched)
+    _run_iteration(nodes, sched)
+    for x in sched.origins:                                  # iteration 1 starts on epoch 1
+        nodes[sched.names[x]].start_iteration()
+    victim = sched.names[sched.partitions[2][0]]
+    again = replace(sched, epoch=2, renewed=(victim,))
+    assert Schedule.from_json(again.to_json()) == again and "renewed" not in sched.to_dict()
+    for x in sched.origins:
+        ex = nodes[sched.names[x]]
+        ex.add_schedule(again)
+        aborted = [e for e in ex.events if isinstance(e, Aborted)]
+        assert len(aborted) == 1 and aborted[0].lost == (victim,) and aborted[0].had_state, aborted
+
+
 def test_vacancy_prefers_a_lost_stage_then_the_least_replicated():
     members = [("a", 0), ("b", 1), ("c", 3), ("d", 3), ("e", 1)]
     members = [(p, s, "", None, None, None) for p, s in members]
@@ -468,3 +488,63 @@ def test_a_replacement_gives_up_after_coordinator_outage_s_and_says_so(monkeypat
     rec, run = _outage_recovery(monkeypatch, [_unavailable()] * 40, outage_s=100.0)
     with pytest.raises(RecoveryError, match="did not answer for"):
         run(rec.vacancy())
+
+
+# ---- a stage node restarted as itself into a run underway (issue 29's known gap)
+def _statuses(answers):
+    import asyncio
+
+    it = iter(answers)
+
+    async def status():
+        a = next(it)
+        if isinstance(a, Exception):
+            raise a
+        await asyncio.sleep(0)
+        return a
+    return status
+
+
+def test_a_node_started_for_a_lost_stage_is_told_to_rebuild_it_and_a_fresh_run_is_not():
+    """pipeline/replacement.py `lost_stage_on_start`: a node started with `stage.index` into a run
+    whose stage is lost rebuilds it (it used to start at its initial weights at iteration 0 beside
+    neighbours at N, and the pipeline stalled on it); a fresh run (no schedule yet) or a stage with
+    live nodes builds at the initial weights as before."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pipeline.replacement import lost_stage_on_start
+
+    def run(answers, index=1, watch_s=0.3, outage_s=5.0):
+        return asyncio.run(asyncio.wait_for(lost_stage_on_start(_statuses(answers), index, outage_s, watch_s), 10))
+
+    fresh = SimpleNamespace(epoch=0, missing_stages=[])
+    lost = SimpleNamespace(epoch=4, missing_stages=[1])
+    live = SimpleNamespace(epoch=4, missing_stages=[])
+    assert run([fresh]) is None
+    assert run([lost]) is lost
+    assert run([live, live, lost], watch_s=3.0) is lost   # its old incarnation is noticed gone a poll later
+    assert run([live] * 100, watch_s=0.2) is None   # an extra replica of a live stage: as before
+    assert run([SimpleNamespace(epoch=4, missing_stages=[2])] * 100, watch_s=0.2) is None  # another stage's loss
+    assert run([_unavailable(), lost]) is lost      # the coordinator answers after a moment
+
+
+def test_a_restarted_node_takes_its_own_lost_stage_before_the_coordinators_pick(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    import pipeline.recovery as recovery
+    from pipeline.config import CheckFreeConfig
+    from pipeline.recovery import StageRecovery
+
+    monkeypatch.setattr(recovery, "RETRY_S", 0.0)
+    two_lost = SimpleNamespace(epoch=5, suspended=True, vacancy=0, missing_stages=[0, 2], claimed_stages=[],
+                               short_stages=[])
+
+    def rec(answers):
+        return StageRecovery(ctx=SimpleNamespace(config=SimpleNamespace(run_id="r")), me="peerZ", n_stages=3,
+                             cfg=CheckFreeConfig(), build=lambda i: None, cfg_hash_of=str, status=_statuses(answers))
+    assert asyncio.run(rec([two_lost]).vacancy(prefer=2))[0] == 2
+    assert asyncio.run(rec([two_lost]).vacancy())[0] == 0
+    claimed = SimpleNamespace(**{**vars(two_lost), "claimed_stages": [2]})   # another replacement took it
+    assert asyncio.run(rec([claimed]).vacancy(prefer=2))[0] == 0
