@@ -14,10 +14,8 @@ not the swarm).
 The chaos, from a seeded RNG (``--seed``), on non-coordinator nodes only:
   - ``kill_restart``: SIGKILL a node's process group (by PID) and restart it a few seconds later
     on the same ports and state_dir (LocalSwarm.restart): a noloco worker as itself (same key; it
-    resumes from its checkpoint), a stage node as its replacement (a new key and
-    ``stage.checkfree.recover=true``: the documented way back for a lost stage, rebuilt from its
-    neighbours; a stage node restarted as itself with no state would start at iteration 0
-    beside neighbours at iteration N);
+    resumes from its checkpoint), a stage node as itself too (same key and ``stage.index``: it
+    finds its stage lost and rebuilds it from its neighbours, ``stage_rejoin``);
   - ``freeze``: SIGSTOP a node's process group for 20-60 s (5-15 s in --quick), then SIGCONT;
   - ``link_flap``: ``node/netem.py`` reads its settings once at start and cannot change a link at
     runtime, so a flap is a restart of a noloco worker with ``netem.default`` = 150 ms one way,
@@ -256,18 +254,13 @@ class Soak:
         print(f"[chaos] {time.strftime('%H:%M:%S')} {action} {name} {kw or ''}", file=sys.stderr, flush=True)
 
     def restart(self, name: str, extra: list[str] | None = None) -> NodeProc:
-        """Start a killed node again on its ports. A noloco worker comes back as itself and resumes
-        from its checkpoint; a stage node holds no checkpoint, so it comes back the way a lost
-        stage is replaced (docs/pipeline.md, 'CheckFree recovery'): a new machine, i.e. a new key,
-        with ``stage.checkfree.recover=true``, rebuilding the stage from its neighbours."""
+        """Start a killed node again on its ports, as itself (its key, state_dir and settings): a
+        noloco worker resumes from its checkpoint; a stage node holds no checkpoint, finds its
+        stage lost and rebuilds it from its neighbours (docs/pipeline.md, 'Liveness')."""
         old = self.current[name]
         if extra is not None:
             self.extra[name] = extra
-        more: list[str] = []
-        if old.role == "stage":
-            (self.swarm.workdir / f"{name}.key").unlink(missing_ok=True)
-            more = ["stage.checkfree.recover=true"]
-        n = self.swarm.restart(old, extra_set=[*self.extra[name], *more])
+        n = self.swarm.restart(old, extra_set=self.extra[name])
         self.current[name] = n
         self.all_procs.append(n)
         return n

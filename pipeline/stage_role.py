@@ -339,13 +339,15 @@ class StageRole(TrainingRole):
         weights, or, for a replacement, the stage the coordinator names, rebuilt from live peers. A
         node started with `stage.index` into a run whose stage `index` is lost (restarted after a
         crash) rebuilds it as a replacement would (`stage_rejoin`)."""
+        if not self.cfg.checkfree.recover:
+            self._awaiting_schedule = True    # /readyz and the card say it waits for a coordinator
         await self.link.find()
         prefer = None
         if not self.cfg.checkfree.recover:
             st = await lost_stage_on_start(self.link.status, self.cfg.index, self.cfg.coordinator_outage_s)
             if st is None:
                 return await self.compute.run(build_parts, self.settings, self.cfg.index), 0
-            prefer = self.cfg.index
+            prefer, self._awaiting_schedule = self.cfg.index, False    # its readiness says `recovering` now
             emit(self.log, "stage_rejoin", "stage {stage} has no live node in schedule epoch {epoch}: rebuilding it "
                  "from live peers (CheckFree) instead of starting at its initial weights", level=logging.WARNING,
                  stage=self.cfg.index, epoch=st.epoch, missing=list(st.missing_stages))
