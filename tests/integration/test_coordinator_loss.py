@@ -60,10 +60,12 @@ def test_noloco_workers_keep_averaging_after_the_bootstrap_is_killed(tmp_path):
 
         def rounds(w: NodeProc) -> list[dict]:
             return events(w, "averaging_round_done")
-        wait_for(lambda: all(len(rounds(w)) >= WARMUP_ROUNDS + WINDOW + 1 for w in workers), 300,
-                 lambda: f"{WARMUP_ROUNDS + WINDOW + 1} rounds on every worker "
-                         f"({ {w.name: len(rounds(w)) for w in workers} })")
-        assert all(any(r["outcome"] == "ok" for r in rounds(w)) for w in workers), "a worker never paired before the kill"
+        # three workers pair two at a time: one can be the odd one out for 10-20 rounds in a row
+        # (its arrival phase locks against the pair, more so on a loaded box), so wait for a pair each
+        wait_for(lambda: all(len(rounds(w)) >= WARMUP_ROUNDS + WINDOW + 1 and any(r["outcome"] == "ok" for r in rounds(w))
+                             for w in workers), 360,
+                 lambda: f"{WARMUP_ROUNDS + WINDOW + 1} rounds and a paired one on every worker "
+                         f"({ {w.name: (len(rounds(w)), sum(r['outcome'] == 'ok' for r in rounds(w))) for w in workers} })")
 
         swarm.kill(boot)                 # SIGKILL by PID (its process group: its DHT daemon too)
         t_kill = time.time()

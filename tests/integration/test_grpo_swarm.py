@@ -95,10 +95,11 @@ def test_three_heterogeneous_peers_learn_and_a_killed_peer_stalls_nobody(tmp_pat
         # the kill stalled nothing: rounds after it kept the clock and saw at most the 2 others
         after = [r for r in rounds if _when(r) > killed_at + 2 * ROUND_S]
         assert after, "no rounds after the kill"
-        # a round over the clock once is a load spike on this shared machine (2.07 s seen in CI); a
-        # dead peer that stalled its partners would hold every round after the kill to the deadline
-        over = [r["duration_s"] for r in after if r["duration_s"] >= ROUND_S]
-        assert len(over) <= max(1, len(after) // 10), [r["duration_s"] for r in after]
+        # a round over the clock now and then is a load spike on this shared machine (2.07 s in CI,
+        # 3.16 s beside a pipeline test run); a peer stalled by the dead one would wait on it in
+        # every round after the kill: the typical round keeps the clock, none takes two
+        durs = sorted(r["duration_s"] for r in after)
+        assert durs[len(durs) // 2] < ROUND_S and durs[-1] < 2 * ROUND_S, [r["duration_s"] for r in after]
         assert all(r["peers_seen"] <= 2 for r in after)
     # the swarm learned: mean held-out gain (measured +0.08 to +0.12 over the three; with no training
     # it is 0 give or take ~0.015)
