@@ -301,7 +301,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                  audit: StageAuditSpec | None = None, probe: ProbeSpec | None = None):
         self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
-        self.renewed: set[str] = set()                   # readmitted as a new process: named in the next plan
+        self.incarnations: dict[str, float] = {}         # peer ID -> its card's started_at (the plan records it)
         self.admission = None if probe is None else StageAdmission(ctx, probe, cfg.probe_timeout_s, cfg.stall_s)
         self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
                                                                 self._quarantine)
@@ -377,8 +377,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                     await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
                 members = readmit_returned(self.probe, members, self.quarantined, loop.time(),
                                            {v.peer_id: (card_int(v, "iteration"), v.card.started_at) for v in views})
+                self.incarnations = {v.peer_id: v.card.started_at for v in views}
                 if self.probe.restarted:      # the iteration in flight died with it: a new epoch restarts it
-                    self.renewed |= self.probe.restarted
                     self.probe.restarted.clear()
                     planned = None
                     self._replan_now.set()
@@ -432,9 +432,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         try:
             sched, cluster = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
                                                      self.activation_bytes, epoch)
-            if self.renewed:   # their old process's part of a running iteration is gone: it aborts
-                sched = dataclasses.replace(sched, renewed=tuple(sorted(self.renewed & set(sched.names))))
-                self.renewed = set()
+            # which process each node runs as: a node restarted as itself aborts the iteration in flight
+            sched = dataclasses.replace(sched, incarnations=tuple(self.incarnations.get(n, 0.0) for n in sched.names))
         except ScheduleViolation as exc:
             self.waiting_reason = f"planning failed: {exc}"
             emit(log, "schedule_failed", "no schedule for {nodes} stage nodes: {error}", level=logging.ERROR, nodes=len(members),

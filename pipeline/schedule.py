@@ -53,17 +53,27 @@ class Schedule:
     """"skippipe", "random" or "full" (which builder made it)."""
     names: tuple[str, ...] = field(default=())
     """Optional node names (peer IDs) by index, for the coordinator."""
-    renewed: tuple[str, ...] = field(default=())
-    """Names that run as a new process since the previous epoch (a stage node restarted as itself
-    and rebuilt): an iteration still running on an older epoch counts them as lost (what they held
-    of it died with the old process) and is aborted like one that lost a node."""
+    incarnations: tuple[float, ...] = field(default=())
+    """Per name, the `started_at` of the process the plan was made with (from its node card; empty
+    in older plans). A node whose process differs between the running iteration's epoch and a new
+    one (restarted as itself and rebuilt: same peer ID) counts as lost for that iteration: what it
+    held of it died with the old process, so the iteration is aborted like one that lost a node.
+    Any coordinator sets it from the cards, so this holds across a takeover too."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "partitions", tuple(tuple(int(x) for x in g)
                                                      for g in self.partitions))
         object.__setattr__(self, "paths", tuple(tuple(int(x) for x in p) for p in self.paths))
         object.__setattr__(self, "names", tuple(self.names))
-        object.__setattr__(self, "renewed", tuple(self.renewed))
+        object.__setattr__(self, "incarnations", tuple(float(x) for x in self.incarnations))
+
+    def renewed_since(self, older: "Schedule") -> set[str]:
+        """Names in both plans whose process changed between `older` and this one (both must carry
+        `incarnations`)."""
+        if len(older.incarnations) != len(older.names) or len(self.incarnations) != len(self.names):
+            return set()
+        then = dict(zip(older.names, older.incarnations))
+        return {n for n, t in zip(self.names, self.incarnations) if n in then and then[n] != t}
 
     # --- lookups a stage uses -------------------------------------------------------------
     def stage_of(self, node: int) -> int:
@@ -149,7 +159,7 @@ class Schedule:
                 "microbatches": [list(m) for m in self.microbatches()],
                 "expected_makespan": self.expected_makespan,
                 "cost_hash": self.cost_hash, "names": list(self.names),
-                **({"renewed": list(self.renewed)} if self.renewed else {})}
+                **({"incarnations": list(self.incarnations)} if self.incarnations else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -166,7 +176,8 @@ class Schedule:
             return cls(partitions=d["partitions"], paths=paths, rules=PathRules(**d["rules"]),
                        epoch=int(d["epoch"]), expected_makespan=float(d["expected_makespan"]),
                        cost_hash=str(d["cost_hash"]), method=str(d.get("method", "")),
-                       names=tuple(d.get("names", ())), renewed=tuple(str(x) for x in d.get("renewed", ())))
+                       names=tuple(d.get("names", ())),
+                       incarnations=tuple(float(x) for x in d.get("incarnations", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise ScheduleViolation("STRUCT", f"malformed schedule JSON: {exc!r}") from exc
 

@@ -163,7 +163,7 @@ class StageExecutor:
         new, cur = self.schedules.get(epoch), self.schedules.get(cur_ep)
         if new is None or cur is None or epoch <= cur_ep:
             return False
-        lost = (_members(cur) - _members(new)) | (set(new.renewed) & _members(cur))
+        lost = (_members(cur) - _members(new)) | new.renewed_since(cur)
         if not lost:
             return False
         st = self._it.get(self.iteration)
