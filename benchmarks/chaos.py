@@ -256,7 +256,7 @@ class Soak:
     def restart(self, name: str, extra: list[str] | None = None) -> NodeProc:
         """Start a killed node again on its ports, as itself (its key, state_dir and settings): a
         noloco worker resumes from its checkpoint; a stage node holds no checkpoint, finds its
-        stage lost and rebuilds it from its neighbours (docs/pipeline.md, 'Liveness')."""
+        stage lost and rebuilds it from its neighbours (docs/pipeline.md, 'Coordinator')."""
         old = self.current[name]
         if extra is not None:
             self.extra[name] = extra
