@@ -1,11 +1,11 @@
 """A stage node frozen past its liveness probes, then resumed (issue 29, the chaos soak: SIGSTOP for
 20-60 s): the coordinator took it for down and never probed it again, so the pipeline, one node per
 stage, stayed suspended for good. Now a down node that answers SERVING again fills its stage again,
-but only while no other node holds that stage (pipeline/coordinator.py `readmit_returned`)."""
+but only while no other node holds that stage (pipeline/stage_liveness.py `readmit_returned`)."""
 
 from __future__ import annotations
 
-from pipeline.coordinator import LivenessProbe, readmit_returned
+from pipeline.stage_liveness import LivenessProbe, readmit_returned
 
 S0, S1, S2, NEW2 = ("peer-s0", 0, "a0"), ("peer-s1", 1, "a1"), ("peer-s2", 2, "a2"), ("peer-new2", 2, "a3")
 
@@ -40,7 +40,7 @@ def test_a_node_that_came_back_far_behind_is_not_planned_and_said_so_once(caplog
     """A stage node restarted as itself without its state answers again at iteration 0 while the
     live nodes are at 40: planning it stalled the pipeline on its initial weights (issue 29's known
     gap). A frozen node comes back at the iteration it had (within STALE_SLACK) and is readmitted."""
-    from pipeline.coordinator import STALE_SLACK
+    from pipeline.stage_liveness import STALE_SLACK
     caplog.set_level("WARNING", logger="swarmnode.pipeline.coordinator")
     p = probe_with({"peer-s2": "unreachable (UNAVAILABLE)"}, {"peer-s2"})
     p.started["peer-s2"] = 100.0                            # the process it ran as before it died

@@ -13,7 +13,7 @@ from models.config import ModelConfig
 from models.optim import InnerConfig
 from models.stages import build_stage
 from pipeline.checkfree import average_neighbours
-from pipeline.coordinator import pick_vacancy, stage_replicas
+from pipeline.stage_liveness import pick_vacancy, stage_replicas
 from pipeline.recovery import Rebuilt, apply_recovery, optimizer_spec, relabel
 from pipeline.schedule import Schedule
 from pipeline.stage_exec import Aborted, Msg, StageExecutor, weights_sha256
