@@ -48,6 +48,7 @@ from optimizers import noloco_metrics as M
 from optimizers.exchange import ExchangeResult, OuterExchange, add_exchange_to_server
 from optimizers.exchange_common import TensorBounds
 from optimizers.noloco_engine import NoLoCoEngine, Placement
+from optimizers.noloco_join import join_from_peers
 from optimizers.noloco_settings import NoLoCoCard, RoleSettings, WorkerConfig
 from optimizers.robust import PartnerClip
 from optimizers.roster import ROSTER
@@ -57,12 +58,6 @@ log = logging.getLogger("swarmnode.noloco")
 
 JOIN_WAIT_S = 60.0
 """A starting worker waits at most this long for its DHT join before looking for a state donor."""
-JOIN_TRIES = 3
-"""Attempts at adopting a peer's state when trained peers exist (fresh cards each time), at
-least; a joiner goes on trying until ``card.ttl_s`` has passed since its first attempt, so the card
-of a donor that crashed has expired (then the one live donor left is the only peer, adopted)."""
-JOIN_RETRY_S = 2.0
-"""Seconds before the second attempt (times the attempt number after that, at most 4x)."""
 MAX_PAIR_TRIES = 4
 """Tries at pairing in one round (a try ends early when the peers move to a later round label:
 the worker waits on there); the wait bound covers all of them together."""
@@ -213,34 +208,14 @@ class NoLoCoRole(TrainingRole):
         if not await self.ctx.membership.wait_joined(JOIN_WAIT_S):
             emit(log, "join_wait_timeout", "not joined to the swarm after {wait_s:.0f} s: looking for a donor among "
                  "the peers seen so far", level=logging.WARNING, wait_s=JOIN_WAIT_S)
-        t0, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
-            got = await self._fetch_from_donor(min_round=1)
-            if got is not None:
-                rnd, phi, donor = got
-                await self.compute.run(self.engine.adopt, rnd, phi)
-                emit(log, "resume", "joined at round {round} with state from {donor}", source="peer", round=rnd,
-                     donor=donor)
-                return
+
+        async def trained() -> int:
             views = await self._read_views(timeout=10.0)
-            trained = [v for v in self._ready_peers(views or []) if (card_int(v, "round") or 0) >= 1]
-            if not trained:
-                return                        # the first worker of the run: it starts from the seed
-            if attempt >= JOIN_TRIES and time.monotonic() - t0 >= self.ctx.config.card.ttl_s:
-                break
-            # two donors that disagree (one forged, one honest whose card lagged its state), one
-            # download of several (the others busy, or a crashed donor's card not expired yet):
-            # fresh cards and downloads, instead of training from the seed
-            delay = JOIN_RETRY_S * min(attempt, 4)
-            emit(log, "join_retry", "no state adopted from the {n} trained peer(s) (attempt {attempt}; trying for "
-                 "{budget_s:.0f} s and {tries} attempts at least): reading the cards and downloading again in "
-                 "{delay_s:.0f} s", level=logging.WARNING, n=len(trained), attempt=attempt, tries=JOIN_TRIES,
-                 budget_s=self.ctx.config.card.ttl_s, delay_s=delay)
-            await asyncio.sleep(delay)
-        emit(log, "join_from_seed", "no state adopted from the trained peers after {tries} attempts in {elapsed_s:.0f} "
-             "s: training from the run's seed (its first outer rounds pull it toward its partners; check the "
-             "state_donor_* events)", level=logging.ERROR, tries=attempt, elapsed_s=time.monotonic() - t0)
+            return len([v for v in self._ready_peers(views or []) if (card_int(v, "round") or 0) >= 1])
+
+        async def adopt(rnd: int, phi: list) -> None:
+            await self.compute.run(self.engine.adopt, rnd, phi)
+        await join_from_peers(lambda: self._fetch_from_donor(min_round=1), trained, adopt, self.ctx.config.card.ttl_s)
 
     async def _fetch_from_donor(self, min_round: int) -> tuple[int, list, str] | None:
         """(round, phi, donor) from the READY workers of this run (round >= min_round), checked

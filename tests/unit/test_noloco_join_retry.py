@@ -1,5 +1,6 @@
 """A joiner that finds trained peers but adopts no state tries again with fresh cards before it
-trains from the run's seed (optimizers/noloco_role.py ``_join``).
+trains from the run's seed (optimizers/noloco_join.py ``join_from_peers``, called by
+optimizers/noloco_role.py ``_join``).
 
 Seen in CI (tests/integration/test_donor_attack.py, token mode, loaded): of three donors one was
 gone, one honest donor's card lagged its state by 5 rounds (not adopted), so the forged and the
@@ -14,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 from node.card import CardView, NodeCard
+from optimizers import noloco_join as J
 from optimizers import noloco_role as R
 
 
@@ -52,7 +54,7 @@ def _role(monkeypatch, answers: list, peer_rounds: list[int], ttl_s: float = 0.0
     monkeypatch.setattr(role, "_fetch_from_donor", fetch, raising=False)
     monkeypatch.setattr(role, "_read_views", views, raising=False)
     monkeypatch.setattr(role, "_ready_peers", lambda vs: vs, raising=False)
-    monkeypatch.setattr(R, "JOIN_RETRY_S", 0.01)
+    monkeypatch.setattr(J, "JOIN_RETRY_S", 0.01)
     return role, adopted, calls
 
 
@@ -71,7 +73,7 @@ def test_no_trained_peer_means_the_first_worker_starts_from_the_seed_at_once(mon
 def test_after_every_attempt_failed_it_trains_from_the_seed_and_says_so(monkeypatch, caplog):
     role, adopted, calls = _role(monkeypatch, [], [12])
     asyncio.run(role._join())
-    assert len(calls) == R.JOIN_TRIES and adopted == []
+    assert len(calls) == J.JOIN_TRIES and adopted == []
     assert [r for r in caplog.records if getattr(r, "event", None) == "join_from_seed"] or \
         "join_from_seed" in caplog.text
 
@@ -83,8 +85,8 @@ def test_it_keeps_trying_until_a_crashed_donors_card_could_have_expired(monkeypa
     role, adopted, calls = _role(monkeypatch, [], [12], ttl_s=0.3)
     t0 = time.monotonic()
     asyncio.run(role._join())
-    assert time.monotonic() - t0 >= 0.3 and len(calls) > R.JOIN_TRIES and adopted == []
+    assert time.monotonic() - t0 >= 0.3 and len(calls) > J.JOIN_TRIES and adopted == []
     role, adopted, calls = _role(monkeypatch, [None] * 5 + [(12, ["phi"], "12D3KooWhonest")], [12], ttl_s=30.0)
-    monkeypatch.setattr(R, "JOIN_RETRY_S", 0.001)
+    monkeypatch.setattr(J, "JOIN_RETRY_S", 0.001)
     asyncio.run(role._join())
     assert len(calls) == 6 and adopted == [(12, ["phi"])]
