@@ -115,7 +115,7 @@ async def download_checked(donors: Sequence[CardView], fetch: Fetch, names: Sequ
         got += [r for r in await asyncio.gather(*(one(v) for v in wave)) if r is not None]
     if not got:
         return None
-    if len(got) == 1 and len(donors) > 1:
+    if len(got) == 1 and len(donors) > 1 and compare > 1:  # donors_compared = 1: the check is off
         emit(log, "state_donor_unconfirmed", "only {donor}'s download worked of {n} donors: not adopting a state no "
              "other donor confirms (the others failed or refused; see state_download_failed)",
              level=logging.WARNING, donor=got[0][0].peer_id, n=len(donors),

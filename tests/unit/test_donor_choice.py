@@ -178,6 +178,9 @@ async def test_a_lone_donor_is_adopted_and_said_so_and_disagreeing_pairs_are_not
     assert await _download([_view("h1", 9), _view("busy", 9)], {"h1": (9, _state(1)), "busy": None}) is None
     unconfirmed = [r for r in caplog.records if getattr(r, "event", None) == "state_donor_unconfirmed"]
     assert unconfirmed and "h1" in unconfirmed[0].getMessage()
+    # donors_compared = 1 turns the comparison off: the first download that works is adopted
+    got = await _download([_view("h1", 9), _view("busy", 9)], {"h1": (9, _state(1)), "busy": None}, compare=1)
+    assert got is not None and got.donor == "h1" and got.lone
     before = _counted("no_majority")
     assert await _download([_view("h", 9), _view("x", 9)], {"h": (9, _state(1)), "x": (9, _scrambled(2))}) is None
     assert _counted("no_majority") == before + 2
