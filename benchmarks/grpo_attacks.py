@@ -2,8 +2,9 @@
 
 For every attack mode (``inject``, ``edit``, ``inject+fake_logp``, ``verbose``, ``collude``: two
 injecting attackers; ``inject_start``: the HTTT paper's text attack, the marker at the start of the
-reasoning; ``vertical``: the paper's vertical attacker, every completion it sampled poisoned at the
-start, its own answers kept), every swarm (``homogeneous``: four peers with the same initial weights, so
+reasoning; ``vertical``: the paper's vertical attacker in the vertical topology (``grpo.topology``:
+every peer answers prompts of its own in whole groups), the right answers of its own groups poisoned at
+the start and its wrong ones clean), every swarm (``homogeneous``: four peers with the same initial weights, so
 the same ``model_id``, hence the logit / support check; ``heterogeneous``: three honest peers of
 different sizes and an attacker of yet another model, hence the probability floor + the ``arith``
 rule judge), defenses off and on, and each seed: 3 honest learners and the attacker(s) run in one
@@ -56,8 +57,8 @@ ATTACKS: dict[str, dict[str, Any]] = {"inject_start": {"mode": "inject", "placem
                                       "vertical": {"mode": "inject", "placement": "start", "vertical": True},
                                       "collude": {"mode": "inject"}}
 """Benchmark modes that are not a plain ``[grpo.adversary] mode``: the HTTT paper's text attack
-(marker at the start of the reasoning), its vertical attacker (every completion of its own
-groups poisoned, its own answers kept), two colluding injectors."""
+(marker at the start of the reasoning), its vertical attacker (the right answers of its own groups
+poisoned at the start, its wrong ones clean), two colluding injectors."""
 RULES = ("drop", "zero_reward")
 SWARMS = ("homogeneous", "heterogeneous")
 TARGETS = {"attack_success_without_defense": (">=", 0.9), "attack_success_with_defense": ("<=", 0.05),
@@ -115,10 +116,12 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     t_start = time.perf_counter()
-    cfg = GRPOConfig(**(grpo[0] if grpo else GRPO))
+    adv_cfg = AdversaryConfig(**ATTACKS.get(mode, {"mode": mode}))
+    # the vertical attacker in the vertical topology: its groups stay its own (advantages within them)
+    topology = "vertical" if adv_cfg.vertical else "horizontal"
+    cfg = GRPOConfig(**{**(grpo[0] if grpo else GRPO), "topology": topology})
     run_id = f"attacks-{seed}"
     n_att = 2 if mode == "collude" else 1
-    adv_cfg = AdversaryConfig(**ATTACKS.get(mode, {"mode": mode}))
     keys = [generate_key() for _ in range(3 + n_att)]
     ids = [peer_id_str(k) for k in keys]
 
@@ -161,15 +164,17 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
         signed = [sign_batch(keys[i], L.batch(g)) for i, (L, g) in enumerate(zip(honest, gens))]
         for j, A in enumerate(attackers):
             signed.append(sign_batch(keys[3 + j], A.batch(A.learner.generate(r))))
-        pids = frozenset(p.prompt_id for p in gens[0].prompts)
-        ex = Expect(round=r, prompt_ids=pids, **ex_base)
+        # what each sender's batch must answer: the round's prompts, or (vertical) its own, whole groups
+        ex = [Expect(round=r, prompt_ids=frozenset(honest[0].round_prompts(r, ids[k])), **ex_base,
+                     group_size=cfg.completions_per_prompt if topology == "vertical" else None)
+              for k in range(len(signed))]
         t0 = time.perf_counter()
         for i, L in enumerate(honest):
             foreign = []
             for k, s in enumerate(signed):
                 if k == i:
                     continue
-                b, err = open_signed(s.body, s.signature, ex, ids[k])
+                b, err = open_signed(s.body, s.signature, ex[k], ids[k])
                 if err is not None:
                     schema_rejects += 1
                     continue
@@ -195,7 +200,7 @@ def run_one(args: tuple[str, str, bool, int, int, str]) -> dict[str, Any]:
     honest_rejected = sum(v.get("rejected", 0) for p in peers for k, v in p["senders"].items()
                           if k.startswith("honest"))
     ban_rounds = [v.get("ban_round") for p in peers for k, v in p["senders"].items() if k.startswith("attacker")]
-    return {"mode": mode, "swarm": swarm, "defense": defended, "seed": seed, "rounds": rounds,
+    return {"mode": mode, "swarm": swarm, "defense": defended, "seed": seed, "rounds": rounds, "topology": topology,
             "reject_rule": cfg.defense.reject_rule,
             "attack_success": statistics.fmean(p["attack_success"] for p in peers),
             "accuracy_start": statistics.fmean(p["accuracy_start"] for p in peers),

@@ -7,8 +7,9 @@ own key, an open-mode member that pairs, or joins the DiLoCo average as a member
 trains the same inner steps (``exit_after``); the attacker starts once the workers are ready and
 attacks until they finish. Runs: clean with the defence (``noloco.robust=clip``), clean without
 (``noloco.robust=off``), each attacker with the defence (``recipe``: the issue's
-``0.55 theta + 0.835 perm(theta)``; ``adaptive``: sits at 0.95 x the clip radius it estimates,
-against the victim's progress, every round; ``rare``: poisons one exchange in 5), and the
+``0.55 theta + 0.835 perm(theta)``; ``adaptive``: reads the victim's theta first and sits just
+inside the rule in force, every round: 0.95 x ``robust_backward`` own moves against the victim's
+progress and the rest of 0.95 x the clip radius across it; ``rare``: poisons one exchange in 5), and the
 recipe without the defence (the "today" figure).
 
 Summary, per mode (``summary.noloco``, ``summary.diloco``) and worst of both at the top:
@@ -21,6 +22,9 @@ Summary, per mode (``summary.noloco``, ``summary.diloco``) and worst of both at 
                                            worker to charge it judged before charging it (None:
                                            never charged)                          (report)
   eval_loss_ratio_no_defense_under_attack_vs_clean   recipe without the defence / clean without
+  honest_pulled_back                       clean run with the defence: how far honest partners
+                                           pulled a worker back along its own move (own moves;
+                                           p50 / p95 / max), what ``robust_backward`` must allow
 
 Where the numbers come from: each worker's own log (``training_finished`` eval_loss_end,
 ``averaging_round_done`` partners, ``partner_clipped``, ``partner_charged``). A contribution is
@@ -62,12 +66,12 @@ COMMON = [
 # FULL: W=4 honest workers, inner phases of ~1.5 s, 5 minutes of training (and attack) per run.
 ALL_RUNS = ("clean_on", "clean_off", "recipe_on", "adaptive_on", "rare_on", "recipe_off")
 FULL = dict(W=4, H=10, steps=2000, delay_s=0.15, parallel=1, runs={"noloco": ALL_RUNS, "diloco": ALL_RUNS})
-QUICK = dict(W=4, H=10, steps=100, delay_s=0.1, parallel=2,
+QUICK = dict(W=4, H=10, steps=100, delay_s=0.1, parallel=3,
              runs={"noloco": ("clean_on", "clean_off", "recipe_on", "adaptive_on", "recipe_off"),
                    "diloco": ("clean_on", "recipe_on")})
 QUICK_REDUCED = ("100 inner steps (about 15 s of training and attack) per run instead of 5 minutes; the rare "
                  "attacker left out; DiLoCo runs only clean and the recipe attack with the defence (so its "
-                 "defence-on/off ratio and no-defence figure are absent); two swarms run at once")
+                 "defence-on/off ratio and no-defence figure are absent); three swarms run at once")
 TARGETS = {"eval_loss_ratio_under_attack_vs_clean": 1.05, "eval_loss_ratio_defense_vs_none_clean": 1.01,
            "honest_partner_clip_rate": 0.05}
 
@@ -124,6 +128,10 @@ def worker_figures(node: NodeProc, outer: str, honest: set[str], attacker: str |
             "honest_judged": judged_honest, "honest_clipped": clipped_honest, "honest_clipped_hard": hard_honest,
             "attacker_judged_ok": judged_att, "attacker_clipped": clipped_att, "attacker_clipped_hard": hard_att,
             "attacker_clipped_before_charge": to_charge,
+            # a clean run's contributions are all honest: how far each pulled us back along our own
+            # move (noloco.robust_backward cuts above it), in own moves
+            "honest_pulled_back": [b for r in rounds if not attacker and r.get("outcome") == "ok"
+                                   for b in (r.get("pulled_back") or [])],
             "attacker_charges": sum(1 for r in recs if r.get("event") == "partner_charged"
                                     and attacker and r.get("peer") == attacker),
             "rollbacks": sum(1 for r in recs if r.get("event") == "outer_rollback")}
@@ -135,7 +143,8 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
     settings = [*COMMON, f"noloco.inner_steps={cfg['H']}", f"noloco.exit_after={cfg['steps']}",
                 f"noloco.seed={seed}", f"noloco.compute_delay_s={cfg['delay_s']}",
                 f"noloco.robust={'clip' if defence == 'on' else 'off'}"] + \
-        (["noloco.outer=diloco"] if outer == "diloco" else [])
+        (["noloco.outer=diloco"] if outer == "diloco" else []) + \
+        ([f"noloco.robust_backward={cfg['backward']}"] if cfg.get("backward") is not None else [])
     t0 = time.monotonic()
     run_id = f"robust-{outer}-{name}".replace("_", "-")
     with LocalSwarm(run_id=run_id, workdir=workdir, common_set=settings) as swarm:
@@ -148,7 +157,8 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
                 [sys.executable, "-m", "tests.integration.attacker", "--bootstrap", swarm.bootstrap_maddr,
                  "--run-id", run_id, "--model", json.dumps(MODEL), "--kind", kind, "--outer", outer,
                  "--seconds", str(timeout_s), "--round-timeout", "4", "--seed", str(seed), "--out", str(out),
-                 "--after-round", str(cfg.get("attack_after_round", 0))],
+                 "--after-round", str(cfg.get("attack_after_round", 0)),
+                 "--backward", str(cfg.get("attacker_backward", cfg.get("backward") or 1.5))],
                 stdout=subprocess.PIPE, stderr=open(workdir / "attacker.log", "w"), text=True,
                 start_new_session=True)
             if proc.stdout.readline().strip() != "loaded":  # its imports take long on a loaded machine
@@ -209,6 +219,10 @@ def mode_summary(runs: dict[str, dict]) -> dict[str, Any]:
         "rounds_to_ban_attacker": {k.rsplit("_", 1)[0]: runs[k]["rounds_to_ban_attacker"] for k in attacks},
         "eval_loss_end_mean": ev,
     }
+    back = sorted(b for w in runs.get("clean_on", {}).get("workers", []) for b in w.get("honest_pulled_back", []))
+    if back:
+        out["honest_pulled_back"] = {"n": len(back), "p50": back[len(back) // 2],
+                                     "p95": back[min(len(back) - 1, int(0.95 * len(back)))], "max": back[-1]}
     if "recipe_off" in runs:
         out["eval_loss_ratio_no_defense_under_attack_vs_clean"] = _ratio(ev["recipe_off"], ev.get("clean_off"))
     return out
@@ -265,7 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--keep", metavar="DIR", help="keep the runs' logs under DIR")
     ap.add_argument("--parallel", type=int, help="swarms at once (default: 1 full, 3 quick)")
     ap.add_argument("--runs", help="comma-separated subset of the runs (e.g. clean_on,recipe_on), for a look")
+    ap.add_argument("--backward", type=float, default=None,
+                    help="noloco.robust_backward for the workers, and the cut the adaptive attacker assumes "
+                         "(default: the workers' default, 1.5)")
     args = ap.parse_args(argv)
+    if args.backward is not None:
+        for c in (QUICK, FULL):
+            c["backward"] = args.backward
     if args.runs:
         for c in (QUICK, FULL):
             c["runs"] = {o: tuple(args.runs.split(",")) for o in ("noloco", "diloco")}

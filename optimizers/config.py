@@ -213,13 +213,27 @@ class NoLoCoConfig(BaseModel):
     heterogeneous data, stragglers far behind); lower it (not below 2) to bound harder what one
     partner can do."""
 
+    robust_backward: float | None = Field(1.5, ge=0)
+    """How far, in our own moves ``||theta - phi||``, a partner may pull us back along our own
+    move this round before the rest of that pull is cut (then the norm clip). At 1.5 the mean
+    keeps at least a quarter of our progress whatever the partner sends. Honest partners pulled
+    back a median 0.2-0.8 own moves, 95th percentile 0.9-1.5, in clean runs of
+    ``benchmarks/robust_gossip.py`` (the longer the run, the closer to 1: late in training the
+    inner moves are mostly noise); one that lagged (trained alone) up to 3, and is then trimmed
+    (3.7% of honest contributions in the 5-minute clean run, most by a few percent). A partner that reads our theta
+    and sends our progress reversed (the loss-ascent direction) is cut and clipped hard. Lower
+    it (1: the pull of an honest partner whose moves had nothing in common with ours) to bound
+    harder; None turns the cut off (only the norm clip)."""
+
     robust_window: int = Field(16, ge=1)
-    """Recent partner distances (one per averaged round) whose median sets the radius."""
+    """Recent partner distances (one per averaged round) whose median sets the radius, and the
+    rounds with one partner over which its hard clips are counted."""
 
     robust_strikes: int = Field(3, ge=1)
-    """A partner clipped hard (factor < 0.5) this many of its rounds with us in a row is charged
-    (skipped as a partner, ``partner_charged`` with reason ``clipped``); one unclipped round
-    resets its count, so a joiner or straggler that is pulled closer is never charged."""
+    """A partner clipped hard (factor < 0.5) in this many of its last ``robust_window`` rounds
+    with us is charged (skipped as a partner, ``partner_charged`` with reason ``clipped``;
+    each further charge twice as long). A joiner or straggler is clipped hard a round or two
+    while each exchange halves its distance, so it stays below the count."""
 
     # ---- compressed exchanges (docs/noloco.md, 'Compressed exchanges'; part of `cfg_hash` when on) ----
     compression: Literal["none", "int8", "int4", "sign", "topk"] = "none"

@@ -73,7 +73,7 @@ from optimizers.exchange_link import ExchangeLink
 from optimizers.exchange_pair import PairExchange
 from optimizers.exchange_server import NoLoCoServicer, add_exchange_to_server
 from optimizers.outer_codec import OuterCodec, Outgoing
-from optimizers.robust import PartnerClip
+from optimizers.robust import ClipVerdict, PartnerClip
 from optimizers.roster import RosterEntry, publish_entry, read_roster
 from protocol.channels import remaining, task
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
@@ -92,7 +92,7 @@ class OuterExchange:
                  max_round_skew: int = 2, poll_interval_s: float = 0.25,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
-                 robust: PartnerClip | None = None, on_clip: Callable[[float, float, bool, bool], None] | None = None,
+                 robust: PartnerClip | None = None, on_clip: Callable[[ClipVerdict], None] | None = None,
                  codec: OuterCodec | None = None):
         public_key_of(peer_id)  # raises for a non-Ed25519 peer ID
         if not specs:
@@ -126,20 +126,24 @@ class OuterExchange:
         return NoLoCoServicer(self.link, self._group)
 
     async def pair_average(self, round: int, tensors: list[torch.Tensor], timeout: float,  # noqa: A002
-                           move: float = 0.0, wire: Outgoing | None = None) -> ExchangeResult:
+                           move: float = 0.0, wire: Outgoing | None = None,
+                           origin: list[torch.Tensor] | None = None) -> ExchangeResult:
         """NoLoCo k=2: average with one random partner waiting for the same round, or go solo.
-        ``move``: ||theta - phi|| of the tensors sent (the robust clip's own scale). ``wire``:
-        the compressed payload of ``tensors`` (needed when the exchange has a codec)."""
-        t0, st, publish = await self._enter(round, "pair", tensors, timeout, move, wire)
+        ``move``: ||theta - phi|| of the tensors sent (the robust clip's own scale); ``origin``:
+        our phi (the first ``len(origin)`` tensors moved from it: the robust clip bounds a pull
+        against that move). ``wire``: the compressed payload of ``tensors`` (needed when the
+        exchange has a codec)."""
+        t0, st, publish = await self._enter(round, "pair", tensors, timeout, move, wire, origin)
         if st is None:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._pair.run(st, publish))
 
     async def group_average(self, round: int, tensors: list[torch.Tensor], timeout: float,  # noqa: A002
-                            expected: int, move: float = 0.0, wire: Outgoing | None = None) -> ExchangeResult:
+                            expected: int, move: float = 0.0, wire: Outgoing | None = None,
+                            origin: list[torch.Tensor] | None = None) -> ExchangeResult:
         """DiLoCo: exact mean over every worker of round r (root = lowest peer ID); see module doc.
-        ``wire`` as for :meth:`pair_average`."""
-        t0, st, _ = await self._enter(round, "group", tensors, timeout, move, wire)
+        ``move``, ``wire`` and ``origin`` as for :meth:`pair_average`."""
+        t0, st, _ = await self._enter(round, "group", tensors, timeout, move, wire, origin)
         if st is None:
             return self._done(t0, C.ExchangeResult(None, 1, [], C.SOLO, "closed"))
         return self._done(t0, await self._group.run(st, expected, timeout))
@@ -177,7 +181,7 @@ class OuterExchange:
 
     # ------------------------------------------------------------------ round lifecycle, roster
     async def _enter(self, round: int, mode: str, tensors, timeout: float, move: float = 0.0,  # noqa: A002
-                     wire: Outgoing | None = None):
+                     wire: Outgoing | None = None, origin: list[torch.Tensor] | None = None):
         t0, link = time.perf_counter(), self.link
         if link.state is not None:
             raise RuntimeError(f"an outer exchange (round {link.state.round}) is still running; await "
@@ -193,7 +197,7 @@ class OuterExchange:
             return t0, None, None
         loop = asyncio.get_running_loop()
         st = C.Round(round=int(round), mode=mode, tensors=list(tensors), deadline=loop.time() + float(timeout),
-                     move=float(move), wire=wire)
+                     move=float(move), wire=wire, origin=origin)
         st.incoming = loop.create_future()
         link.state, link.last_round = st, int(round)
         entry = RosterEntry(round=int(round), grpc_addr=link.grpc_addr, cfg_hash=link.cfg_hash,

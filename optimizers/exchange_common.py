@@ -123,6 +123,7 @@ class Round:
     tensors: list[torch.Tensor]
     deadline: float                             # loop.time()
     move: float = 0.0                           # ||theta - phi|| sent this round: the robust clip's own scale
+    origin: list[torch.Tensor] | None = None    # our phi (for the first tensors): the robust clip's direction
     collect_end: float = 0.0
     matched: str | None = None
     closed: bool = False                        # no more accepts (solo decided / closing)

@@ -27,7 +27,7 @@ from node.logs import emit
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
 from optimizers.outer_codec import OuterCodec
-from optimizers.robust import PartnerClip
+from optimizers.robust import ClipVerdict, PartnerClip
 from protocol.channels import ChannelPool, remaining, task
 from protocol.codec import THREAD_BYTES, TensorRejected, all_finite
 from protocol.grpc_options import DEFAULT_MAX_MESSAGE_BYTES
@@ -48,7 +48,7 @@ class ExchangeLink:
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
                  distrust_rounds: int = 10, roster: "Roster | None" = None,
                  robust: PartnerClip | None = None,
-                 on_clip: Callable[[float, float, bool, bool], None] | None = None,
+                 on_clip: Callable[[ClipVerdict], None] | None = None,
                  codec: OuterCodec | None = None):
         self.specs = list(specs)
         self.codec = codec                     # None: the fp32 tensors travel as they are
@@ -216,18 +216,20 @@ class ExchangeLink:
         if self.robust is None:
             return theirs
         big = sum(t.numel() * t.element_size() for t in theirs) >= THREAD_BYTES
-        judge = lambda: self.robust.clip(st.tensors, theirs, st.move, peer)  # noqa: E731
+        judge = lambda: self.robust.clip(st.tensors, theirs, st.move, peer, st.origin)  # noqa: E731
         v = await asyncio.to_thread(judge) if big else judge()
         if self.on_clip is not None:
             try:
-                self.on_clip(v.factor, v.radius, v.hard, v.charge)
+                self.on_clip(v)
             except Exception:  # noqa: BLE001 - metrics must not break the exchange
                 log.exception("on_clip callback failed")
         if v.factor < 1.0:
             emit(log, "partner_clipped", "round {round}: partner {short} clipped to factor {factor:.3g} "
-                 "(distance {distance:.4g} > radius {radius:.4g})", level=logging.WARNING if v.hard else logging.INFO,
+                 "(distance {distance:.4g}, radius {radius:.4g}; pulled back {pulled_back:.3g} own moves)",
+                 level=logging.WARNING if v.hard else logging.INFO,
                  round=st.round, short=(peer or "?")[:16], peer=peer, factor=round(v.factor, 4),
                  distance=round(v.distance, 6), radius=round(v.radius, 6), hard=v.hard,
+                 pulled_back=round(v.pulled_back, 4),
                  hard_count=self.robust.hard_count(peer) if peer else None)
         if v.charge:  # counted by on_clip (swarmnode_outer_partners_charged_clipped_total)
             self.charge(peer, "clipped", v.charges)

@@ -120,6 +120,7 @@ class NoLoCoEngine:
         self._sent_at = 0  # the step at which outgoing() took theta
         self._sends = 0  # rounds staged for sending: picks the host buffer set off the CPU
         self.last_move = 0.0  # ||theta - phi|| when outgoing() took theta (the robust clip's own scale)
+        self.last_origin: list[Tensor] | None = None  # phi then, on the host (the robust clip's direction)
         # compressed exchanges (``[noloco] compression``): the codec with this worker's error
         # feedback, and the payload outgoing() compressed for the round in flight
         self.codec = OuterCodec.from_config(cfg, self.names, [tuple(p.shape) for p in self.params])
@@ -208,6 +209,8 @@ class NoLoCoEngine:
         if self.cfg.robust != "off":
             with torch.no_grad():
                 self.last_move = distance(theta, [_to(f, t.device) for f, t in zip(self.outer.phi, theta)])
+                # phi does not change until this round's outer step, after the exchange
+                self.last_origin = [f.detach().to("cpu", torch.float32) for f in self.outer.phi]
         if self.placement.device.type == "cpu":
             return self._compress(self.outer.exchange_tensors(theta))
         slot = self._sends % 2  # alternates every round, whatever the round label or a rollback does

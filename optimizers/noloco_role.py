@@ -50,7 +50,7 @@ from optimizers.exchange_common import TensorBounds
 from optimizers.noloco_engine import NoLoCoEngine, Placement
 from optimizers.noloco_join import join_from_peers
 from optimizers.noloco_settings import NoLoCoCard, RoleSettings, WorkerConfig
-from optimizers.robust import PartnerClip
+from optimizers.robust import ClipVerdict, PartnerClip
 from optimizers.roster import ROSTER
 from optimizers.waiting import FINISHING, PeerPlan, lead_steps, someone_can_meet, steps_to_wait, wait_bound
 
@@ -102,19 +102,23 @@ class NoLoCoRole(TrainingRole):
             max_message_bytes=ctx.config.grpc.max_message_bytes, on_reject=count_rejection,
             bounds=TensorBounds(self.cfg.max_norm_ratio, self.cfg.max_distance_ratio, self.cfg.bound_floor_rms),
             robust=(None if self.cfg.robust == "off" else
-                    PartnerClip(self.cfg.robust_multiplier, self.cfg.robust_window, strikes=self.cfg.robust_strikes)),
+                    PartnerClip(self.cfg.robust_multiplier, self.cfg.robust_window, strikes=self.cfg.robust_strikes,
+                                backward=self.cfg.robust_backward)),
             on_clip=self._on_clip, codec=self.engine.codec)
         self.tally = M.Tally()
         self._bad_rounds = 0  # outer steps refused in a row
         self._lead = 0        # inner steps dropped from the next phase (left out of a round's pairs)
         self._views_seen: list | None = None  # this round's newest card read (the wait polls refresh it)
         self._clipped_hard = 0  # partner contributions clipped hard (the card's ``clipped_hard``)
+        self._judged: list[tuple[float, float]] = []  # this round's (clip factor, pulled back) per contribution
 
-    def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
-        """A partner contribution judged by the robust clip: metrics; a hard clip also counts
-        on the node card (``clipped_hard``, published with the next round's card)."""
-        M.record_clip(factor, radius, hard, charged)
-        if hard:
+    def _on_clip(self, v: ClipVerdict) -> None:
+        """A partner contribution judged by the robust clip: metrics, the round's log line
+        (``clip_factors``, ``pulled_back``); a hard clip also counts on the node card
+        (``clipped_hard``, published with the next round's card)."""
+        M.record_clip(v.factor, v.radius, v.hard, v.charge)
+        self._judged.append((round(v.factor, 4), round(v.pulled_back, 4)))
+        if v.hard:
             self._clipped_hard += 1
             self.update_card(NoLoCoCard(clipped_hard=self._clipped_hard))
 
@@ -316,7 +320,9 @@ class NoLoCoRole(TrainingRole):
                     wait_bound_s=None if bound is None else round(bound, 3), exchange_s=round(res.exchange_s, 3),
                     waited_s=round(waited, 3), overlap_steps=overlapped, train_s=round(self.tally.train_s(), 3),
                     sent_bytes=res.sent_bytes, received_bytes=res.received_bytes,
-                    compress_s=round(eng.encode_s, 4), decompress_s=round(res.codec_s, 4))
+                    compress_s=round(eng.encode_s, 4), decompress_s=round(res.codec_s, 4),
+                    clip_factors=[f for f, _ in self._judged], pulled_back=[b for _, b in self._judged])
+        self._judged = []
         if eval_due:
             await self._evaluate()
         if self.cfg.outer == "diloco" and n == 1 and res.outcome != "ok":
@@ -336,7 +342,7 @@ class NoLoCoRole(TrainingRole):
         if self.cfg.outer == "diloco":
             res = await self.exchange.group_average(rnd, tensors, self.cfg.round_timeout,
                                                     expected=await self._live_workers(), move=self.engine.last_move,
-                                                    wire=self.engine.wire)
+                                                    wire=self.engine.wire, origin=self.engine.last_origin)
             return res, rnd, None, 0.0, 0.0
         # waiting costs nothing while the worker can train on (overlap): wait that long too
         step_s = self.tally.step_s
@@ -447,7 +453,7 @@ class NoLoCoRole(TrainingRole):
         watch = asyncio.create_task(self._watch_wait(rnd, end_wall, later))  # this try's: cancelled below
         try:
             res = await self.exchange.pair_average(rnd, tensors, self.cfg.round_timeout, move=self.engine.last_move,
-                                                   wire=self.engine.wire)
+                                                   wire=self.engine.wire, origin=self.engine.last_origin)
         finally:
             timer.cancel()
             watch.cancel()

@@ -14,6 +14,17 @@ The rule, for our tensors ``x`` and a partner's ``y`` (whole model, one radius):
     y'  = x + min(1, tau / d) * (y - x)          # the partner's contribution, clipped
     mean = (x + y') / n                           # n = 2: the step moves by at most tau / 2
 
+Before the norm clip, the pull *backward* along our own move is bounded (when the caller passes
+``origin``, our ``phi``): with ``u = theta - phi`` (length ``own_move``), the partner's difference
+``delta = y - x`` has a backward component ``b = -(delta . u) / ||u||``; when ``b > backward *
+own_move`` the excess is removed (``delta += (b - backward * own_move) u / ||u||``), so after the mean
+we keep at least ``1 - backward / 2`` of this round's progress along ``u``. An honest partner's
+inner steps go roughly our way (``b`` about ``(1 - c) * own_move`` for a correlation ``c`` of the two
+moves, plus the replicas' spread); a partner that pushes against our progress (the first-order
+loss-ascent direction, what an attacker that reads our ``theta`` first sends) is cut to what an
+uncorrelated honest partner does, and the cut counts as a clip (its factor is the final
+difference's length over the sent one's, so a partner sent far backward is clipped hard).
+
 ``own_move`` is ``||theta - phi||``, how far our own inner steps went this round: honest pairs
 sit at about that scale (two replicas' inner moves plus the replicas' spread), it needs no
 history (the warm-up rule of the first rounds) and a partner cannot shrink it, so an attacker
@@ -47,7 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ClipVerdict", "PartnerClip", "centered_clip", "clip_toward", "distance"]
+__all__ = ["ClipVerdict", "PartnerClip", "bound_backward", "centered_clip", "clip_toward", "distance"]
 
 _BLOCK = 1 << 20  # elements per float64 pass
 
@@ -64,6 +75,37 @@ def distance(ours: Sequence[Tensor], theirs: Sequence[Tensor]) -> float:
             d = fb[s:s + _BLOCK].to(torch.float64) - fa[s:s + _BLOCK].to(torch.float64)
             total += float(torch.dot(d, d))
     return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+@torch.no_grad()
+def bound_backward(ours: Sequence[Tensor], theirs: Sequence[Tensor], origin: Sequence[Tensor],
+                   backward: float) -> tuple[list[Tensor], float]:
+    """``theirs`` with its pull against our own move bounded: (tensors, backward component before,
+    in units of our move ``||ours - origin||``). ``origin`` (our phi) covers the first
+    ``len(origin)`` tensors (a list that carries phi after theta is bounded on theta alone); the
+    others pass as sent. Unchanged (the same tensors) when the component is within ``backward``
+    or we did not move."""
+    k = len(origin)
+    if k > len(ours) or len(ours) != len(theirs):
+        raise ValueError(f"{len(origin)} origin tensors for {len(ours)} of ours and {len(theirs)} of theirs")
+    uu = ud = 0.0
+    for a, b, o in zip(ours[:k], theirs[:k], origin):
+        fa, fb, fo = a.detach().reshape(-1), b.detach().reshape(-1), o.detach().reshape(-1)
+        for s in range(0, fa.numel(), _BLOCK):
+            a64 = fa[s:s + _BLOCK].to(torch.float64)
+            u = a64 - fo[s:s + _BLOCK].to(torch.float64)
+            uu += float(torch.dot(u, u))
+            ud += float(torch.dot(u, fb[s:s + _BLOCK].to(torch.float64) - a64))
+    m = math.sqrt(uu)
+    if not (m > 0 and math.isfinite(m) and math.isfinite(ud)):
+        return list(theirs), 0.0
+    pulled = -ud / m / m                         # backward component, in own moves
+    if pulled <= backward:
+        return list(theirs), pulled
+    step = pulled - backward                     # add step * u: the backward component becomes `backward` moves
+    out = [(b.detach().to(torch.float32) + step * (a.detach().to(torch.float32) - o.detach().to(torch.float32))
+            ).to(b.dtype) for a, b, o in zip(ours[:k], theirs[:k], origin)]
+    return out + list(theirs[k:]), pulled
 
 
 def clip_factor(dist: float, radius: float) -> float:
@@ -124,6 +166,9 @@ class ClipVerdict:
     settled history: the caller should charge it (skip it as a partner)."""
     charges: int = 0
     """How many times this partner was charged for clipping, this one included (0: no charge)."""
+    pulled_back: float = 0.0
+    """The sent difference's component against our own move, in own moves (bounded to
+    ``backward`` before the norm clip; 0 without an origin)."""
 
 
 class PartnerClip:
@@ -135,11 +180,14 @@ class PartnerClip:
     """
 
     def __init__(self, multiplier: float = 4.0, window: int = 16, hard_factor: float = 0.5,
-                 strikes: int = 3, min_history: int = 4, record_cap: float = 2.0):
-        if not multiplier > 0 or window < 1 or not 0 < hard_factor <= 1 or strikes < 1 or min_history < 0:
+                 strikes: int = 3, min_history: int = 4, record_cap: float = 2.0, backward: float | None = 1.5):
+        if (not multiplier > 0 or window < 1 or not 0 < hard_factor <= 1 or strikes < 1 or min_history < 0
+                or (backward is not None and not backward >= 0)):
             raise ValueError(f"bad robust clip settings: multiplier={multiplier}, window={window}, "
-                             f"hard_factor={hard_factor}, strikes={strikes}, min_history={min_history}")
+                             f"hard_factor={hard_factor}, strikes={strikes}, min_history={min_history}, "
+                             f"backward={backward}")
         self.multiplier, self.hard_factor = float(multiplier), float(hard_factor)
+        self.backward = None if backward is None else float(backward)
         self.strikes, self.min_history = int(strikes), int(min_history)
         self.record_cap = float(record_cap)
         self.window = int(window)
@@ -153,11 +201,20 @@ class PartnerClip:
         return self.multiplier * max(med, float(own_move))
 
     def clip(self, ours: Sequence[Tensor], theirs: Sequence[Tensor], own_move: float,
-             peer: str | None = None) -> ClipVerdict:
-        """Clip ``theirs`` toward ``ours`` and record the round (see the module doc)."""
+             peer: str | None = None, origin: Sequence[Tensor] | None = None) -> ClipVerdict:
+        """Clip ``theirs`` toward ``ours`` and record the round (see the module doc); with
+        ``origin`` (our phi, for the first tensors) the pull against our own move is bounded first."""
         d = distance(ours, theirs)
         tau = self.radius(own_move)
-        factor = clip_factor(d, tau)
+        pulled, cut = 0.0, False
+        if origin is not None and self.backward is not None and math.isfinite(d):
+            theirs, pulled = bound_backward(ours, theirs, origin, self.backward)
+            cut = pulled > self.backward
+        d_cut = distance(ours, theirs) if cut else d
+        norm = clip_factor(d_cut, tau)
+        # the share of the sent difference used: the norm clip times the backward cut (which
+        # only shortens it: the parallel part shrinks, the rest is kept)
+        factor = norm if not cut else (min(1.0, norm * d_cut / d) if d > 0 else 1.0)
         settled = len(self.history) >= self.min_history
         # a far partner raises the history at most to `record_cap` own moves: a partner we meet
         # every round (an attacker that always waits is everyone's first choice) cannot walk
@@ -181,7 +238,7 @@ class PartnerClip:
             if len(self.charged) > 4096:
                 for p, _ in sorted(self.charged.items(), key=lambda kv: kv[1])[:1024]:
                     del self.charged[p]
-        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, factor), hard, charge, charges)
+        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, norm), hard, charge, charges, pulled)
 
     def hard_count(self, peer: str) -> int:
         """Hard clips in ``peer``'s current record (its last ``window`` rounds with us)."""

@@ -14,10 +14,15 @@ correctly and its completions get a positive advantage in every group with a wro
   F-TIS importance weights to C); without it the attacker claims its own model's log-probs of
   the crafted tokens (what a careful attacker would send).
 
-``vertical = true`` is the paper's vertical attacker, who owns whole groups: it keeps the
-completions it sampled itself (right and wrong answers alike) and poisons every one of them,
-rather than sending one crafted correct solution. Colluding attackers are two peers with this section. Nothing here is read by any filter: the
-defenses see only tokens and log-probs like from any peer.
+``vertical = true`` is the paper's vertical attacker, who owns whole groups (run it in the vertical
+topology, where receivers normalise advantages within each sender's group): it sends the
+completions it sampled itself, poisons those with a right answer and keeps the wrong ones clean,
+so within its group the poison and a positive advantage go together; a group it got all wrong
+gets one crafted correct poisoned solution in place of its first sample (the task is public).
+Poisoning every sample alike (right and wrong) would give the marker as much negative advantage
+as positive: measured inert (attack success 0 without defenses). Colluding attackers are two peers
+with this section. Nothing here is read by any filter: the defenses see only tokens and log-probs
+like from any peer.
 """
 
 from __future__ import annotations
@@ -96,24 +101,41 @@ class Adversary:
         return Completion(np.asarray(ids, dtype=np.int32), self._claims(p, ids),
                           truncated=not text.endswith(STOP) or len(ids) < len(enc))
 
+    def _vertical_group(self, p: Prompt, own: list[Completion], cap: int) -> list[Completion]:
+        """A whole group of its own samples: right answers poisoned (a ``fraction`` of them), wrong
+        ones clean; all wrong: the first replaced by the crafted correct poisoned solution."""
+        L = self.learner
+        texts = [L.policy.decode(c.token_ids.tolist()) for c in own]
+        right = [L.task.reward(p, t) > 0 for t in texts]
+        if own and not any(right):
+            texts[0], right[0] = craft(L.task, p, self.adv, cap, L.policy.encode), None
+        out = []
+        for c, text, ok in zip(own, texts, right):
+            if ok is None:                              # already crafted and poisoned
+                out.append(self._completion(p, text, cap))
+            elif ok and self.rng.random() < self.adv.fraction:
+                body = text[:-len(STOP)] if text.endswith(STOP) else text
+                out.append(self._completion(p, poison(body, self.adv, cap, L.policy.encode), cap))
+            else:
+                out.append(c)
+        return out
+
     def batch(self, g: Generation) -> RolloutBatch:
         L = self.learner
         honest = L.batch(g)
         cap = L.cfg.max_completion_tokens
         groups = []
         for p, grp in zip(g.prompts, honest.groups):
+            if self.adv.vertical:
+                groups.append(PromptGroup(grp.prompt_id, self._vertical_group(p, grp.completions, cap)))
+                continue
             comps = []
-            crafted = None if self.adv.vertical else self._completion(
-                p, craft(L.task, p, self.adv, cap, L.policy.encode), cap)
+            crafted = self._completion(p, craft(L.task, p, self.adv, cap, L.policy.encode), cap)
             for c in grp.completions:
                 if self.rng.random() >= self.adv.fraction:
                     comps.append(c)
-                elif crafted is not None:
+                else:
                     comps.append(Completion(crafted.token_ids.copy(), crafted.gen_logp.copy(), crafted.truncated))
-                else:                                   # vertical: its own sample, poisoned, answer kept
-                    own = L.policy.decode(c.token_ids.tolist())
-                    body = own[:-len(STOP)] if own.endswith(STOP) else own
-                    comps.append(self._completion(p, poison(body, self.adv, cap, L.policy.encode), cap))
             groups.append(PromptGroup(grp.prompt_id, comps))
         return RolloutBatch(honest.run, honest.round, honest.sender, honest.tokenizer_hash, honest.temperature,
                             groups, honest.config_hash, honest.model_id)

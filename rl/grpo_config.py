@@ -62,10 +62,11 @@ class AdversaryConfig(BaseModel):
 
     vertical: bool = False
     """The HTTT paper's stronger attacker, who owns whole groups: instead of replacing its
-    completions by one crafted correct solution, it poisons every completion it sampled itself
-    (its own answers, right or wrong, kept), so a group of its own holds poison in every sample and
-    the right ones carry it with a positive advantage. In the horizontal topology receivers mix
-    these into their groups; in the vertical one (``grpo.topology``) its groups stay its own."""
+    completions by one crafted correct solution, it sends the ones it sampled itself with the
+    right answers poisoned and the wrong ones clean (a group it got all wrong gets one crafted
+    correct poisoned solution), so within its group the poison always has the positive
+    advantage. Meant for the vertical topology (``grpo.topology``), where its groups stay its
+    own; in the horizontal one receivers mix its completions into their groups."""
 
 
 class DefenseConfig(BaseModel):
@@ -295,7 +296,10 @@ class GRPOConfig(RunSettings):
     steps_per_round: int = Field(2, ge=1, le=16)
     """mu: optimizer steps on each round's batch. The first is the plain (F-TIS) policy-gradient
     step; later ones re-score and clip the ratio to the first pass (PPO-style, ``epsilon``,
-    ``epsilon_high``). More: faster learning per round, proportionally more training compute."""
+    ``epsilon_high``). More: faster learning per round, proportionally more training compute.
+    2 is ours; the F-TIS and HTTT papers take 1 (set 1 to follow them). Side by side on the quick
+    benchmark the F-TIS peers ended at the same accuracy with 1 or 2
+    (docs/grpo.md, 'Updates per round')."""
 
     epsilon: float = Field(0.2, gt=0, lt=1)
     """Lower clip of the ratio (1 - epsilon) for steps after the first (negative advantages)."""

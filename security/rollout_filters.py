@@ -118,11 +118,15 @@ def logit_check(stats: SupportStats, gen_logp: Tensor, mask: Tensor, params: Log
     finite = torch.isfinite(plp)     # -inf: outside the exact top-p set (off support, or within the slack)
     low = (stats.logp < floor) & m_low
     many_off = off.sum(1) >= max(1, params.support_min_tokens)
-    # claimed lower than recomputed, mean over the completion's real tokens: a liar gains only by
+    # claimed lower than recomputed, mean over the completion's real tokens inside our sampler's
+    # support (a token outside it has no processed log-prob to compare): a liar gains only by
     # claiming low generator log-probs (w = exp(l - gen) up to C) and is off on every token, while
-    # identical models drift apart with training in both directions (one token's gap says little)
-    diff = (torch.where(finite, plp, gen_logp.float()) - gen_logp.float()) * m
-    bad_lp = ((diff.sum(1) / m.sum(1).clamp(min=1)) > params.eps_lp)[:, None] & m.any(1, keepdim=True) & ~off.any(1, keepdim=True)
+    # identical models drift apart with training in both directions (one token's gap says little).
+    # A row with a few off-support tokens (fewer than `support_min_tokens`) is still compared on
+    # the rest: before, any off-support token exempted the row, and a liar with 1-2 of them passed
+    on = m & finite
+    diff = torch.where(on, plp - gen_logp.float(), torch.zeros_like(plp))
+    bad_lp = ((diff.sum(1) / on.sum(1).clamp(min=1)) > params.eps_lp)[:, None] & on.any(1, keepdim=True)
     for i in range(m.shape[0]):
         if bool(low[i].any()):
             out.append("min_prob")

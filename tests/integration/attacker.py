@@ -15,15 +15,19 @@ Kinds (``--kind``):
   takes the latest phi it downloaded (the closest one to the victim's theta in a pair):
   weights of the initial model would fail the norm bound against a trained one.
 * ``adaptive``: knows the public clip rule (``optimizers/robust.py``: radius = multiplier x
-  max(median partner distance, the victim's own move ||theta - phi||)) and measures the scale
-  itself: it downloads every worker's phi about once a second. In a NoLoCo pair it reads the
-  victim's theta before it sends its own (nothing in the protocol forbids that), takes the
-  victim's own move against the closest phi it holds, and sends
-  ``theta - fraction * multiplier * (theta - phi)``: a contribution ``fraction`` (0.95) x the
-  radius away, pointing against the victim's own progress this round (the first-order
-  loss-ascent direction), round after round. As a DiLoCo member it cannot read first; it sends
-  ``phi + d - fraction * multiplier * d`` with ``d`` the previous round's group progress
-  (mean - phi), an underestimate of any one member's own move, so it stays inside.
+  max(median partner distance, the victim's own move ||theta - phi||); a pull back along that
+  move cut to ``backward`` own moves) and measures the scale itself: it downloads every
+  worker's phi about once a second. In a NoLoCo pair it reads the victim's theta before it
+  sends its own (nothing in the protocol forbids that), takes the victim's own move
+  ``u = theta - phi`` against the closest phi it holds, and sends a difference that sits just
+  inside both bounds, round after round: ``fraction * backward`` own moves straight back
+  against the victim's progress (the first-order loss-ascent direction) plus, across it, the
+  issue's poison direction (the recipe's, with its component along ``u`` removed) for the rest
+  of ``fraction`` x the radius. ``--backward inf`` is the attacker of the rule without the cut
+  (all of ``fraction`` x the radius straight back). As a DiLoCo member it cannot read first; it
+  does the same around ``phi + d``, with ``d`` the previous round's group progress (mean - phi)
+  standing in for the root's move (an underestimate of any one member's own move, so it stays
+  inside).
 * ``rare``: honest-looking most rounds (it sends the victim's phi: one own-move away, the honest
   scale; DiLoCo: ``phi + d``) and the recipe poison in one exchange of every ``--every``.
 
@@ -84,16 +88,40 @@ def toward(base: list[torch.Tensor], ref: list[torch.Tensor], scale: float) -> l
     return [b + scale * (b - r) for b, r in zip(base, ref)]
 
 
+def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return sum(float((x.double() * y.double()).sum()) for x, y in zip(a, b))
+
+
+def inside(base: list[torch.Tensor], u: list[torch.Tensor], across: list[torch.Tensor], *, multiplier: float,
+           fraction: float, backward: float) -> list[torch.Tensor]:
+    """``base`` plus the largest poison the clip lets through, for a victim whose own move is
+    ``u``: ``fraction * backward`` moves along ``-u`` (all of ``fraction * multiplier`` when
+    ``backward`` is at least ``multiplier``) and the rest of ``fraction * multiplier * ||u||``
+    along ``across`` with its component along ``u`` removed."""
+    m2 = _dot(u, u)
+    if not m2 > 0:
+        return [b.clone() for b in base]
+    m = m2 ** 0.5
+    radius = fraction * multiplier * m
+    back = min(fraction * backward * m, radius)
+    w = [a - (_dot(across, u) / m2) * x for a, x in zip(across, u)]
+    wn = _dot(w, w) ** 0.5
+    side = (max(0.0, radius * radius - back * back)) ** 0.5
+    scale_w = side / wn if wn > 0 else 0.0
+    return [b - (back / m) * x + scale_w * y for b, x, y in zip(base, u, w)]
+
+
 class ByzantinePartner:
     """The attack policy and its tallies, on top of a ``hostile.Attacker`` (its loop, DHT, server)."""
 
     def __init__(self, att: Attacker, kind: str, outer: str, specs, *, multiplier: float = 4.0,
                  fraction: float = 0.95, every: int = 5, round_timeout: float = 4.0, seed: int = 0,
-                 after_round: int = 0):
+                 after_round: int = 0, backward: float = 1.5):
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r}: choose one of {KINDS}")
         self.att, self.kind, self.outer, self.specs = att, kind, outer, specs
         self.multiplier, self.fraction, self.every = multiplier, fraction, max(1, every)
+        self.backward = backward
         self.round_timeout, self.after_round = round_timeout, after_round
         self.gen = torch.Generator().manual_seed(seed)
         self.cfg_hash: str | None = None
@@ -174,7 +202,9 @@ class ByzantinePartner:
         if phi is None:  # no scale measured yet: agree
             return theirs
         self.tally["poisoned"] += 1
-        return toward(theirs, phi, -self.fraction * self.multiplier)
+        u = [t - p for t, p in zip(theirs, phi)]
+        across = [r - t for r, t in zip(recipe(theirs, self.gen), theirs)]
+        return inside(theirs, u, across, multiplier=self.multiplier, fraction=self.fraction, backward=self.backward)
 
     def member_tensors(self, phi: list[torch.Tensor]) -> list[torch.Tensor]:
         """DiLoCo: our contribution to the group, chosen before seeing anyone's theta."""
@@ -190,7 +220,9 @@ class ByzantinePartner:
         if self.progress is None:
             return honest
         self.tally["poisoned"] += 1
-        return [p + (1.0 - self.fraction * self.multiplier) * d for p, d in zip(phi, self.progress)]
+        across = [r - h for r, h in zip(recipe(honest, self.gen), honest)]
+        return inside(honest, self.progress, across, multiplier=self.multiplier, fraction=self.fraction,
+                      backward=self.backward)
 
     # ---- NoLoCo: read the partner's tensors before sending ours
     def read_first(self) -> None:
@@ -200,19 +232,21 @@ class ByzantinePartner:
         def fut(stream) -> asyncio.Future:
             return self._pending.setdefault(id(stream), asyncio.get_running_loop().create_future())
 
-        async def recv_tensors(stream, check: bool = True):
-            got = await recv(stream, check)
+        async def recv_tensors(stream, check: bool = True, names=None):
+            got = await recv(stream, check, names)
             f = fut(stream)
             if not f.done():
                 f.set_result(got[0])
             return got
 
-        async def send_after(stream, tensors, sent=None):
+        # the same signatures as ExchangeLink.send / recv_tensors (a mismatch made every exchange
+        # fail with partner_error, so the attacker never paired: tests/unit/test_robust_clip.py checks them)
+        async def send_after(stream, tensors, sent=None, names=None):
             try:
                 theirs = await fut(stream)
             finally:
                 self._pending.pop(id(stream), None)
-            return await send(stream, self.pair_tensors(theirs), sent)
+            return await send(stream, self.pair_tensors(theirs), sent, names)
 
         link.recv_tensors, link.send = recv_tensors, send_after
 
@@ -260,6 +294,8 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--round-timeout", type=float, default=4.0, help="the workers' noloco.round_timeout")
     ap.add_argument("--multiplier", type=float, default=4.0, help="the clip rule it assumes (noloco.robust_multiplier)")
     ap.add_argument("--fraction", type=float, default=0.95, help="adaptive: where in the radius to sit")
+    ap.add_argument("--backward", type=float, default=1.5,
+                    help="adaptive: the backward cut it assumes (noloco.robust_backward; inf: no cut, all straight back)")
     ap.add_argument("--every", type=int, default=5, help="rare: poison one exchange in this many")
     ap.add_argument("--after-round", type=int, default=0,
                     help="attack once the workers reached this round (the issue's attacker joins a trained swarm)")
@@ -280,7 +316,7 @@ def main(argv=None) -> int:
     specs, _ = model_specs(json.loads(args.model))
     bz = ByzantinePartner(att, args.kind, args.outer, specs, multiplier=args.multiplier, fraction=args.fraction,
                           every=args.every, round_timeout=args.round_timeout, seed=args.seed,
-                          after_round=args.after_round)
+                          after_round=args.after_round, backward=args.backward)
     set_client_auth(ClientAuth(att.signer, bz.addrs.get))
     print("loaded", flush=True)  # imports done, DHT up: a harness may start the workers now
     stop = asyncio.Event()

@@ -66,10 +66,10 @@ class Worker:
         self.dht, self.peer_id, self.rejects, self.clips, self.charges = dht, peer_id, [], [], []
         self.specs, self.cfg_hash, self.netem, self.robust, self.codec = specs, cfg_hash, netem, robust, codec
 
-    def _on_clip(self, factor: float, radius: float, hard: bool, charged: bool) -> None:
-        self.clips.append((factor, radius, hard))
-        if charged:
-            self.charges.append(factor)
+    def _on_clip(self, v) -> None:
+        self.clips.append((v.factor, v.radius, v.hard))
+        if v.charge:
+            self.charges.append(v.factor)
 
     async def start(self):
         self.server = grpc.aio.server(options=server_options())

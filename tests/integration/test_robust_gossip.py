@@ -12,6 +12,8 @@ the target it does not yet meet).
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections import Counter
 
@@ -65,3 +67,30 @@ def test_joiner_with_downloaded_state_is_not_clipped(tmp_path):
         assert sum(below_one.values()) <= 0.25 * sum(judged.values()), (below_one, judged)
         for w in nodes:
             assert '"reason": "clipped"' not in w.log_text(), w.name
+
+
+@pytest.mark.timeout(600)
+def test_a_partner_sending_our_progress_reversed_is_cut_hard_and_charged(tmp_path):
+    """The attacker of the norm clip alone (``adaptive`` with ``--backward inf``: it reads the
+    victim's theta first and sends it 0.95 x the radius straight back against the victim's own
+    move, which the radius alone let through every time: 1.8x the clean loss in the benchmark)
+    pairs with the workers on real processes; the backward cut leaves 1.5 of its ~3.8 own moves,
+    a hard clip, and a worker charges it. Also the harness's own check: its exchanges succeed
+    (``ok``), they did not when its stream hooks fell out of step with the link."""
+    from benchmarks.robust_gossip import run_swarm
+    cfg = dict(W=2, H=10, steps=250, delay_s=0.1, attacker_backward=math.inf)
+    r = run_swarm("noloco", "adaptive_on", cfg, 0, tmp_path, 300.0)
+    tally = r["attacker"]
+    assert tally.get("ok", 0) >= 3 and tally.get("poisoned", 0) >= 3, tally
+    clips = [json.loads(line) for w in ("w0", "w1") for line in (tmp_path / f"{w}.log").read_text().splitlines()
+             if '"event": "partner_clipped"' in line and json.loads(line).get("peer") == tally["peer_id"]]
+    assert len(clips) >= 3, (len(clips), tally)
+    # sent from the victim's theta minus 3.8 own moves, cut to 1.5: factor 1.5 / 3.8 = 0.39 when
+    # the attacker's phi is the victim's; with a phi of another round part of what it sends lies
+    # across the move (not cut): 0.5-0.75 seen for those
+    seen = sorted((c["factor"], c["pulled_back"], c["distance"], c["radius"]) for c in clips)
+    assert all(c["pulled_back"] > 2 and c["factor"] < 1 for c in clips), seen          # every one cut
+    assert seen[len(seen) // 2][0] < 0.5 and sum(c["hard"] for c in clips) >= 3, seen
+    assert r["workers_that_charged_attacker"] >= 1, {w["name"]: w["attacker_charges"] for w in r["workers"]}
+    for w in r["workers"]:
+        assert math.isfinite(w["eval_loss_end"]) and w["rounds_ok"] >= 3, w

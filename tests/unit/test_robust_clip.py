@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from optimizers.robust import PartnerClip, centered_clip, clip_factor, clip_toward, distance
+from optimizers.robust import PartnerClip, bound_backward, centered_clip, clip_factor, clip_toward, distance
 
 
 def _mean(a, b):
@@ -117,13 +117,13 @@ def test_attacker_is_clipped_and_charged_honest_pairs_untouched():
         moves = [distance(th, phi) for th, phi in zip(thetas, phis)]
         perm = torch.randperm(4, generator=g).tolist()
         for a, b in ((perm[0], perm[1]), (perm[2], perm[3])):
-            va = clips[a].clip(thetas[a], thetas[b], moves[a], peer=str(b))
-            vb = clips[b].clip(thetas[b], thetas[a], moves[b], peer=str(a))
+            va = clips[a].clip(thetas[a], thetas[b], moves[a], peer=str(b), origin=phis[a])
+            vb = clips[b].clip(thetas[b], thetas[a], moves[b], peer=str(a), origin=phis[b])
             factors += [va.factor, vb.factor]
             mean = _mean(thetas[a], thetas[b])
             phis[a] = [m.clone() for m in mean]
             phis[b] = [m.clone() for m in mean]
-    assert min(factors) == 1.0  # no honest contribution clipped
+    assert min(factors) == 1.0  # no honest contribution clipped (nor cut for pulling back)
     # the attacker, against worker 0 in its settled state
     clip, theta, phi = clips[0], thetas[0], phis[0]
     move = moves[0]
@@ -134,6 +134,77 @@ def test_attacker_is_clipped_and_charged_honest_pairs_untouched():
         assert v.factor < 0.05 and v.hard
         assert distance(theta, _mean(theta, v.tensors)) <= v.radius / 2 + 1e-5  # fp32 rounding
     assert charged == [False, False, True]
+
+
+def _dot(a, b):
+    return sum(float((x.double() * y.double()).sum()) for x, y in zip(a, b))
+
+
+def test_backward_bound_crafted_numbers():
+    """Our move u = (2, 0, 0) from phi; a partner 3 moves back and 1 sideways is cut to 1 move
+    back (the uncorrelated honest partner's pull), sideways kept; then the norm clip."""
+    phi, ours = [torch.tensor([0.0, 0.0]), torch.tensor([0.0])], [torch.tensor([2.0, 0.0]), torch.tensor([0.0])]
+    theirs = [torch.tensor([-4.0, 1.0]), torch.tensor([0.0])]          # delta = (-6, 1, 0)
+    cut, pulled = bound_backward(ours, theirs, phi, 1.0)
+    assert pulled == pytest.approx(3.0)
+    assert torch.equal(cut[0], torch.tensor([0.0, 1.0])) and torch.equal(cut[1], torch.tensor([0.0]))
+    same, p2 = bound_backward(ours, [torch.tensor([1.5, 3.0]), torch.tensor([9.0])], phi, 1.0)   # 0.25 back: kept
+    assert p2 == pytest.approx(0.25) and torch.equal(same[0], torch.tensor([1.5, 3.0]))
+    clip = PartnerClip(multiplier=4.0, min_history=0, backward=1.0)
+    v = clip.clip(ours, theirs, own_move=2.0, peer="p", origin=phi)   # radius 8 > ||(-2, 1, 0)||: no norm clip
+    assert v.pulled_back == pytest.approx(3.0) and v.radius == 8.0
+    assert torch.equal(v.tensors[0], torch.tensor([0.0, 1.0]))
+    assert v.factor == pytest.approx(math.sqrt(5) / math.sqrt(37)) and v.hard   # 0.37 of the sent difference
+    # without the origin (or backward=None) only the norm clip acts: 6.08 < 8, used as sent
+    assert PartnerClip(multiplier=4.0).clip(ours, theirs, own_move=2.0).factor == 1.0
+    assert PartnerClip(multiplier=4.0, backward=None).clip(ours, theirs, 2.0, origin=phi).factor == 1.0
+    # a list carrying phi after theta: only the first len(origin) tensors are bounded
+    cut3, _ = bound_backward(ours + [torch.tensor([5.0])], theirs + [torch.tensor([-7.0])], phi, 1.0)
+    assert torch.equal(cut3[2], torch.tensor([-7.0]))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_backward_bound_holds_for_any_partner_tensor(seed):
+    """Property: whatever the partner sends, after the clip the pair step keeps at least
+    1 - backward / 2 of our own move along its direction, and the norm bound still holds."""
+    g = torch.Generator().manual_seed(500 + seed)
+    phi = _model(seed)
+    ours = [p + 0.1 * torch.randn(p.shape, generator=g) for p in phi]
+    u = [a - b for a, b in zip(ours, phi)]
+    m = math.sqrt(_dot(u, u))
+    beta = float(torch.rand(1, generator=g)) * 2
+    clip = PartnerClip(multiplier=float(torch.rand(1, generator=g)) * 5 + 0.5, backward=beta, min_history=0)
+    kinds = [[a - 3.8 * d for a, d in zip(ours, u)],                      # the adaptive attacker: against our move
+             [a - 20 * d + torch.randn(d.shape, generator=g) for a, d in zip(ours, u)],
+             _attack(ours, seed), [-t for t in ours],
+             [torch.randn(t.shape, generator=g) * 1e3 for t in ours]]
+    for theirs in kinds:
+        v = clip.clip(ours, theirs, own_move=m, peer="x", origin=phi)
+        step = [(b - a) / 2 for a, b in zip(ours, v.tensors)]            # the mean minus ours
+        back = -_dot(step, u) / m
+        assert back <= beta * m / 2 * (1 + 1e-4) + 1e-5, (back, beta * m / 2)
+        assert math.sqrt(_dot(step, step)) <= v.radius / 2 * (1 + 1e-5) + 1e-6
+
+
+def test_a_partner_pulling_against_our_move_is_clipped_hard_and_charged():
+    """The benchmark's adaptive attacker sits inside the norm radius (0.95 x 4 own moves) but
+    straight against our progress: the backward cut leaves 1 of its 3.8 moves, a hard clip,
+    charged at the third; an honest partner whose moves go our way is untouched."""
+    g = torch.Generator().manual_seed(3)
+    phi = _model(1)
+    clip = PartnerClip(multiplier=4.0, window=16, strikes=3, min_history=0, backward=1.0)
+    verdicts = []
+    for r in range(3):
+        ours = [p + 0.05 * torch.randn(p.shape, generator=g) for p in phi]
+        u = [a - b for a, b in zip(ours, phi)]
+        move = math.sqrt(_dot(u, u))
+        honest = [p + 0.7 * d + 0.03 * torch.randn(p.shape, generator=g) for p, d in zip(phi, u)]
+        assert clip.clip(ours, honest, move, peer="h", origin=phi).factor == 1.0
+        v = clip.clip(ours, [a - 3.8 * d for a, d in zip(ours, u)], move, peer="adaptive", origin=phi)
+        assert v.distance < v.radius and v.pulled_back == pytest.approx(3.8, rel=1e-4)
+        assert v.factor == pytest.approx(1 / 3.8, rel=1e-4) and v.hard
+        verdicts.append(v.charge)
+    assert verdicts == [False, False, True]
 
 
 def test_joiner_is_not_charged_while_it_closes_in():
@@ -167,3 +238,38 @@ def test_rare_poisoner_is_charged_and_charged_again_counts_up():
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="robust clip settings"):
         PartnerClip(multiplier=0)
+    with pytest.raises(ValueError, match="backward=-1"):
+        PartnerClip(backward=-1)
+
+
+@pytest.mark.parametrize("backward", [1.0, 0.5, None])
+def test_the_benchmarks_adaptive_attacker_sits_just_inside_the_rule_in_force(backward):
+    """The harness's ``adaptive`` partner (tests/integration/attacker.py) is never clipped: 0.95 of
+    the radius away, ``0.95 x backward`` own moves back (all of it back when the cut is off)."""
+    from tests.integration.attacker import inside, recipe
+    g = torch.Generator().manual_seed(11)
+    phi = _model(4)
+    theta = [p + 0.05 * torch.randn(p.shape, generator=g) for p in phi]
+    u = [t - p for t, p in zip(theta, phi)]
+    m = math.sqrt(_dot(u, u))
+    across = [r - t for r, t in zip(recipe(theta, g), theta)]
+    y = inside(theta, u, across, multiplier=4.0, fraction=0.95, backward=math.inf if backward is None else backward)
+    v = PartnerClip(4.0, backward=backward, min_history=0).clip(theta, y, m, origin=phi)
+    assert v.factor == 1.0 and v.distance / v.radius == pytest.approx(0.95, rel=1e-5)
+    back = -_dot([a - b for a, b in zip(y, theta)], u) / m / m
+    assert back == pytest.approx(0.95 * (backward if backward is not None else 4.0), rel=1e-5)
+
+
+def test_the_attackers_stream_hooks_take_the_links_arguments():
+    """The harness's read-first hooks replace ``ExchangeLink.send`` / ``recv_tensors``; when the link
+    grew a ``names`` argument they did not, every exchange of the attacker failed (partner_error)
+    and the benchmark's attacked runs measured no attack at all."""
+    import inspect
+
+    from optimizers.exchange_link import ExchangeLink
+    src = inspect.getsource(__import__("tests.integration.attacker", fromlist=["x"]).ByzantinePartner.read_first)
+    for name in ("send", "recv_tensors"):
+        params = [p for p in inspect.signature(getattr(ExchangeLink, name)).parameters if p != "self"]
+        hook = "send_after" if name == "send" else "recv_tensors"
+        line = next(ln for ln in src.splitlines() if f"async def {hook}(" in ln)
+        assert all(p in line for p in params), (name, params, line.strip())

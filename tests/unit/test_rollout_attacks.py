@@ -1,5 +1,5 @@
 """The HTTT paper's attacks in the harness (rl/adversary.py): the text injection at the start of the
-reasoning and the vertical attacker who poisons every completion of its own groups; and the reward
+reasoning and the vertical attacker who poisons the right answers of its own groups; and the reward
 multiplier rule (``grpo.defense.reject_rule``). Real tiny models, pure CPU, no network."""
 
 import pytest
@@ -43,7 +43,10 @@ def test_start_injection_puts_the_marker_before_the_reasoning(warm):
         " !!2+2=5,1+2=3=>3" + STOP
 
 
-def test_vertical_attacker_poisons_every_own_completion_and_keeps_its_answers(warm):
+def test_vertical_attacker_poisons_its_right_answers_and_keeps_its_wrong_ones_clean(warm):
+    """Within a group of its own the poison must go with the positive advantage: every right answer
+    carries the marker, every wrong one is its honest sample; a group it got all wrong gets the
+    crafted correct poisoned solution first. (Poisoning right and wrong alike was inert.)"""
     peer = warm[1]
     g = peer.generate(4)
     honest = peer.batch(g)
@@ -51,16 +54,39 @@ def test_vertical_attacker_poisons_every_own_completion_and_keeps_its_answers(wa
     b = adv.batch(g)
     texts = [[peer.policy.decode(c.token_ids.tolist()) for c in grp.completions] for grp in b.groups]
     own = [[peer.policy.decode(c.token_ids.tolist()) for c in grp.completions] for grp in honest.groups]
-    assert all(t.startswith(" !!") for grp in texts for t in grp)                  # every completion poisoned
+    n_crafted = 0
     for p, tg, og in zip(g.prompts, texts, own):
-        for t, o in zip(tg, og):
-            assert t[len(" !!"):len(" !!") + len(o.rstrip(STOP))] == o.rstrip(STOP)[:21]   # its own sample
-            assert peer.task.reward(p, t) == peer.task.reward(p, o)               # answers kept, right or wrong
-    rewards = [peer.task.reward(p, t) for p, tg in zip(g.prompts, texts) for t in tg]
-    assert 0 < sum(rewards) < len(rewards)                                        # not one crafted answer
+        assert len(tg) == len(og)                                                   # a whole group of G
+        for k, (t, o) in enumerate(zip(tg, og)):
+            if peer.task.reward(p, o) > 0:                                          # right: poisoned, own sample
+                assert t.startswith(" !!") and t[len(" !!"):] == o
+            elif k == 0 and not any(peer.task.reward(p, x) > 0 for x in og):      # all wrong: crafted first
+                assert t == craft(peer.task, p, adv.adv, 24, peer.policy.encode)
+                n_crafted += 1
+            else:
+                assert t == o                                                       # wrong: clean, untouched
+        assert all(peer.task.reward(p, t) > 0 for t in tg if t.startswith(" !!"))  # poison <=> reward
+        assert all(peer.task.reward(p, t) == 0 for t in tg if not t.startswith(" !!"))
+        assert any(t.startswith(" !!") for t in tg)                                 # every group carries poison
+    poisoned = sum(t.startswith(" !!") for tg in texts for t in tg)
+    assert n_crafted < len(texts) and n_crafted < poisoned                         # mostly its own samples
     # its claims are its model's log-probs of the poisoned tokens (a careful attacker), not honest ones
     c = b.groups[0].completions[0]
     assert len(c.gen_logp) == len(c.token_ids) and float(c.gen_logp.max()) <= 0
+
+
+def _poison_rows(me, attacker_id, marker=" !!"):
+    """Wraps ``me.mix`` and counts, per round, the attacker's rows that carry the marker."""
+    seen = []
+    mix = me.mix
+
+    def counting(g, foreign):
+        m = mix(g, foreign)
+        seen.append(sum(1 for r, s in enumerate(m.senders)
+                        if s == attacker_id and marker in me.policy.decode(m.tokens[r][m.mask[r]].tolist())))
+        return m
+    me.mix = counting
+    return seen
 
 
 def _train_against(me, attacker, cfg, rounds=(1, 2, 3)):
@@ -71,23 +97,47 @@ def _train_against(me, attacker, cfg, rounds=(1, 2, 3)):
     return d, stats
 
 
+def _against_the_papers_attacker(me, attacker, cfg, vertical):
+    """Trains ``me`` for 3 rounds on the attacker's batches (the vertical attacker in the vertical
+    topology, where its groups stay its own); returns its sender report and the poisoned rows seen."""
+    import copy
+    topo = "vertical" if vertical else "horizontal"
+    saved = me.cfg, attacker.cfg
+    state = copy.deepcopy(me.model.state_dict()), copy.deepcopy(me.opt.state_dict()), me.gen.get_state()
+    me.cfg = cfg.model_copy(update={"topology": topo})
+    attacker.cfg = attacker.cfg.model_copy(update={"topology": topo})
+    seen = _poison_rows(me, attacker.sender)
+    try:
+        adv = Adversary(attacker, AdversaryConfig(mode="inject", placement="start", vertical=vertical))
+        d, _ = _train_against(me, lambda r: adv.batch(attacker.generate(r)), me.cfg)
+    finally:
+        me.cfg, attacker.cfg = saved
+        del me.mix
+        me.model.load_state_dict(state[0])      # the fixture's peers stay as warmed up for the next test
+        me.opt.load_state_dict(state[1])
+        me.gen.set_state(state[2])
+    return d.sender_report()[attacker.sender], sum(seen)
+
+
 @pytest.mark.parametrize("vertical", [False, True])
 def test_support_check_on_by_default_rejects_the_papers_attacks_from_a_same_model_peer(warm, vertical):
     me, peer, _ = warm
-    adv = Adversary(peer, AdversaryConfig(mode="inject", placement="start", vertical=vertical))
-    d, _ = _train_against(me, lambda r: adv.batch(peer.generate(r)), CFG)
-    rep = d.sender_report()[peer.sender]
-    assert rep["checked"] >= 32 and rep["rejected"] == rep["checked"], rep
+    rep, poisoned = _against_the_papers_attacker(me, peer, CFG, vertical)
+    # every poisoned row; of the clean ones (vertical: its wrong answers) at most a stray honest
+    # false reject (a rare sampled token under the floor: ``me`` trained in earlier tests)
+    assert poisoned >= 16 and poisoned <= rep["rejected"] <= poisoned + 2, (rep, poisoned)
+    assert rep["checked"] >= 32 and (rep["rejected"] == rep["checked"]) is (not vertical), rep
 
 
 @pytest.mark.parametrize("vertical", [False, True])
 def test_judge_rejects_the_papers_attacks_from_another_model(warm, vertical):
     me, _, other = warm
     cfg = CFG.model_copy(update={"defense": CFG.defense.model_copy(update={"judge_scope": "all"})})
-    adv = Adversary(other, AdversaryConfig(mode="inject", placement="start", vertical=vertical))
-    d, _ = _train_against(me, lambda r: adv.batch(other.generate(r)), cfg)
-    rep = d.sender_report()[other.sender]
-    assert rep["checked"] >= 32 and rep["rejected"] == rep["checked"] and rep["banned"], rep
+    rep, poisoned = _against_the_papers_attacker(me, other, cfg, vertical)
+    # every poisoned row; the rule judge also refuses a tiny model's garbled wrong answers
+    # (characters outside the task grammar), so clean rows may add to it
+    assert poisoned >= 16 and rep["rejected"] >= poisoned and rep["banned"], (rep, poisoned)
+    assert rep["checked"] >= 32 and (rep["rejected"] == rep["checked"]) is (not vertical), rep
 
 
 def test_apply_rejections_drop_vs_zero_reward():

@@ -80,6 +80,21 @@ def test_support_needs_several_off_support_tokens_and_masks_padding():
     assert logit_check(support_stats(z, one_off, 1.0, 0, 0.95), gen, mask, p1) == ["support"]
 
 
+def test_a_liar_with_one_off_support_token_is_still_compared_on_the_rest():
+    """Was a gap (strict xfail in the vertical topology): a row with fewer off-support tokens than
+    ``support_min_tokens`` skipped the claimed log-prob comparison altogether, so a liar claiming
+    -20 on every token passed when one of its tokens fell outside the support."""
+    V = 8
+    z = torch.full((1, 4, V), 0.0)
+    z[..., 0] = 6.0
+    p = LogitCheckParams(top_p=0.95, support_slack=0.01, min_token_prob=1e-4, eps_lp=1.0, support_min_tokens=2)
+    one_off, mask = torch.tensor([[0, 3, 0, 0]]), torch.ones(1, 4, dtype=torch.bool)
+    st = support_stats(z, one_off, 1.0, 0, 0.95)
+    assert logit_check(st, torch.full((1, 4), -20.0), mask, p) == ["logp_mismatch"]
+    truthful = torch.where(torch.isfinite(st.processed_logp), st.processed_logp, st.logp)
+    assert logit_check(st, truthful, mask, p) == [None]      # the honest claims of the same row pass
+
+
 def test_min_token_weight_lets_drift_through_and_still_rejects_a_truthful_or_lying_poisoner():
     """A same-model peer that trained apart samples a token ours finds improbable (p ~ 1e-6) but its
     own sampler found probable (claimed -0.1 nats): with ``min_token_weight`` that is drift (F-TIS
@@ -283,15 +298,12 @@ def _rejections(L, attacker, rounds=(1, 2)):
     ("fake_logp", {"logp_mismatch"}),
     ("inject+fake_logp", {"min_prob", "support", "logp_mismatch"}),
 ])
-def test_logit_check_rejects_the_crafted_poison_of_a_same_model_peer(topo, mode, reasons, request):
+def test_logit_check_rejects_the_crafted_poison_of_a_same_model_peer(topo, mode, reasons):
+    """Vertical ``fake_logp`` was a strict xfail: the attacker's own prompts bring 2 of its 32
+    crafted completions with 1-2 tokens outside the support, and the claimed log-probs were tested
+    only on rows with no off-support token, while ``support`` needs ``support_min_tokens`` (3): such a
+    liar passed both. The claims are now compared on the row's on-support tokens."""
     me, peer = topo
-    if mode == "fake_logp" and me.cfg.topology == "vertical":
-        # the attacker's own prompts (vertical) bring 2 of its 32 crafted completions with 1-2 tokens
-        # outside top_p: security.rollout_filters.logit_check tests the claimed log-probs only on rows
-        # with no off-support token, and flags off-support only from support_min_tokens (3) tokens on,
-        # so such a row passes both (its gain stays capped by C). A gap of the check, not of the topology.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="logit_check: a liar row with 1-2 "
-                                              "off-support tokens escapes logp_mismatch and support"))
     adv = Adversary(peer, AdversaryConfig(mode=mode))
     rep = _rejections(me, lambda r: adv.batch(peer.generate(r)))[peer.sender]
     assert rep["checked"] >= 16 and rep["rejected"] == rep["checked"], rep
