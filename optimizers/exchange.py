@@ -24,10 +24,12 @@ pair_average (NoLoCo, k=2; no global barrier):
      round, cfg and spec hashes) and wait for the callee's hello. The callee takes ITS lock
      (<= LOCK_WAIT_S, else "busy": retried later), accepts only if WAITING(r), in pair mode
      and unmatched, and marks itself MATCHED. Proposals only
-     go up in peer-ID order, so lock waits cannot form a cycle. A worker matched by an incoming
+     go forward in the round's order (``exchange_common.proposes_to``: a hash of round and peer
+     ID, new every round, so no pair of workers is favoured round after round), so lock waits
+     cannot form a cycle. A worker matched by an incoming
      proposal stops proposing. Refusals "matched", "other_round", "stale", errors: final for
      that candidate this round. No candidate: sleep ``poll_interval_s``, re-read. Any two
-     unmatched waiting workers eventually meet (the lower one tries the higher), so with enough
+     unmatched waiting workers eventually meet (the earlier one tries the later), so with enough
      time the pairing is maximal: an even number of waiting workers all pair;
   3. both sides stream their tensors at once (one frame per tensor up to 4 MiB, netem pacer on
      send); the stream's assembler admits only the specs (checked before allocating), compute

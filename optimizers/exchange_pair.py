@@ -1,5 +1,6 @@
 """NoLoCo pair averaging (``OuterExchange.pair_average``; protocol in ``optimizers/exchange.py``):
-the proposer reads the roster and opens the exchange with a random higher peer ID under its
+the proposer reads the roster and opens the exchange with a random peer after it in the round's
+order (``exchange_common.proposes_to``: a hash of round and peer ID, new every round) under its
 match lock; once accepted, BOTH sides run :func:`swap` on their end of the one tensor stream
 (the callee from ``exchange_server.py``). The partner's tensors pass the link's bounds
 (``ExchangeLink.check_bounds``) before the mean; a rejection charges the partner (skipped as a
@@ -42,7 +43,7 @@ class PairExchange:
             while res is None and st.matched is None and not st.closed and remaining(st.deadline) > 0:
                 roster = await self.roster(st)
                 seen = seen or bool(roster)
-                cands = sorted(p for p in roster if p > link.peer_id and p not in tried
+                cands = sorted(p for p in roster if C.proposes_to(link.peer_id, p, st.round) and p not in tried
                                and not link.is_distrusted(p, st.round))
                 while cands and res is None and remaining(st.deadline) > 0:
                     pid = rng.choice(cands)

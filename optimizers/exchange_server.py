@@ -99,8 +99,9 @@ class NoLoCoServicer:
         who = verified_peer() or h.sender
         if L.is_distrusted(who, h.round):
             raise Refused(pre, "distrusted", f"{who[:16]}... sent rejected tensors recently; not pairing with it")
-        if h.mode == "pair" and not h.sender < L.peer_id:
-            raise Refused(bad, "order", "pair proposals go from the lower to the higher peer ID")
+        if h.mode == "pair" and not C.proposes_to(h.sender, L.peer_id, h.round):
+            raise Refused(bad, "order", "pair proposals go from the earlier to the later peer in the round's "
+                                        "order (optimizers/exchange_common.py, proposes_to)")
         if h.mode == "gather":
             if st.root not in (None, L.peer_id):
                 raise Refused(pre, f"not_root:{st.root}", f"this worker is not the root of round {mine}")

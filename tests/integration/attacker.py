@@ -68,8 +68,9 @@ KINDS = ("recipe", "adaptive", "rare")
 
 def high_key(tries: int = 64):
     """The fresh key with the highest peer ID of ``tries``: it sorts after the honest workers' in
-    practice, so every worker may propose a pair to it (proposals go to higher IDs) and as a
-    DiLoCo member it is never the root (the lowest ID in the round)."""
+    practice, so as a DiLoCo member it is never the root (the lowest ID in the round). (It once
+    also made it every NoLoCo worker's candidate, when pair proposals went to higher peer IDs;
+    the pair order is now a hash of round and peer ID, which no key can sort last in.)"""
     return max((generate_key() for _ in range(tries)), key=peer_id_str)
 
 

@@ -277,8 +277,9 @@ async def test_bad_headers_rejected_and_counted(dhts):
         waiting = asyncio.create_task(w.ex.pair_average(r, tensors(1), 20))
         while w.ex._state is None:
             await asyncio.sleep(0.01)
-        lower = _random_peer_id(lambda p: p < w.peer_id)
-        higher = _random_peer_id(lambda p: p > w.peer_id)
+        # who may propose to w this round: a peer before it in the round's order (not by peer ID)
+        lower = _random_peer_id(lambda p: W.proposes_to(p, w.peer_id, r))
+        higher = _random_peer_id(lambda p: W.proposes_to(w.peer_id, p, r))
         good = dict(run_id=RUN, round=r, sender=lower, cfg_hash=CFG, n_tensors=len(SPECS), mode="pair",
                     spec_hash=W.spec_hash(SPECS))
         inv, pre = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
