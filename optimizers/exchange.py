@@ -18,8 +18,8 @@ server)``.
 
 pair_average (NoLoCo, k=2; no global barrier):
   1. mark WAITING(r) (the servicer now accepts proposals for r), publish a RosterEntry;
-  2. loop until matched, closed or the deadline: read the roster; candidates = entries with a
-     HIGHER peer ID, same cfg_hash, not finally refused this round; pick one at random
+  2. loop until matched, closed or the deadline: read the roster; candidates = entries AFTER us
+     in round r's order (``proposes_to``), same cfg_hash, not finally refused this round; pick one at random
      (``Random(f"{r}:{me}")``); holding MY match lock, open ``Exchange`` (our hello carries the
      round, cfg and spec hashes) and wait for the callee's hello. The callee takes ITS lock
      (<= LOCK_WAIT_S, else "busy": retried later), accepts only if WAITING(r), in pair mode
