@@ -70,12 +70,13 @@ def test_sigkill_during_checkpoint_writes_never_loads_a_corrupt_file(tmp_path):
     ck = ckpt_writer.checkpointer(str(tmp_path))
     written: dict[int, str] = {}  # step -> digest, reported by a writer after its save returned
     resumed_from, in_flight_hits, mid_write_kills = [], 0, 0
+    alive = None  # the current writer child until its "dead" line: stopped by PID if the test fails
     try:
         for i in range(KILLS):
             _next.seen = []  # type: ignore[attr-defined]
             proc.stdin.write("fork\n")
             proc.stdin.flush()
-            pid = int(_next(out, "child")[1])
+            pid = alive = int(_next(out, "child")[1])
             resumed = _next(out, "resumed")
             resumed_from.append(int(resumed[1]))
             if written:  # the writer resumed from the newest step a writer completed, or a later one
@@ -85,6 +86,7 @@ def test_sigkill_during_checkpoint_writes_never_loads_a_corrupt_file(tmp_path):
             # a writer inside fsync dies only when the disk answers: on a busy shared disk that took
             # over 60 s once (CI); SIGKILL is still what ends it
             _next(out, "dead", timeout=300.0, pid=pid)
+            alive = None
             lines = list(_next.seen)  # type: ignore[attr-defined]
             started = [int(w[1]) for w in lines if w[0] == "start"]
             for w in lines:
@@ -107,7 +109,12 @@ def test_sigkill_during_checkpoint_writes_never_loads_a_corrupt_file(tmp_path):
                 in_flight_hits += 1
                 written[k] = state["digest"]
     finally:
-        proc.kill()  # by PID (the fork server; its last child is already dead)
+        if alive is not None:  # a failure left the current writer running (seen in a loaded CI run)
+            try:
+                os.kill(alive, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()  # by PID (the fork server; its last child is dead by now)
         proc.wait(timeout=30)
     assert len(written) >= KILLS, "the writers completed fewer checkpoints than there were kills"
     assert mid_write_kills >= KILLS // 2, f"only {mid_write_kills} of {KILLS} kills landed inside a save"
