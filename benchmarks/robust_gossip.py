@@ -9,8 +9,9 @@ attacks until they finish. Runs: clean with the defence (``noloco.robust=clip``)
 (``noloco.robust=off``), each attacker with the defence (``recipe``: the issue's
 ``0.55 theta + 0.835 perm(theta)``; ``adaptive``: reads the victim's theta first and sits just
 inside the rule in force, every round: 0.95 x ``robust_backward`` own moves against the victim's
-progress and the rest of 0.95 x the clip radius across it; ``rare``: poisons one exchange in 5), and the
-recipe without the defence (the "today" figure).
+progress and the rest of 0.95 x the clip radius across it; ``rare``: poisons one exchange in 5;
+DiLoCo only, ``root``: the lowest peer ID, so the root, sending every member the recipe of the
+true mean), and the recipe without the defence (the "today" figure; DiLoCo also the root).
 
 Summary, per mode (``summary.noloco``, ``summary.diloco``) and worst of both at the top:
   eval_loss_ratio_under_attack_vs_clean    honest workers' mean final eval loss, worst attack
@@ -20,7 +21,7 @@ Summary, per mode (``summary.noloco``, ``summary.diloco``) and worst of both at 
                                            over every defended run                 target <= 0.05
   rounds_to_ban_attacker                   per attack: the attacker's contributions the first
                                            worker to charge it judged before charging it (None:
-                                           never charged)                          (report)
+                                           never charged; root: its means refused) (report)
   eval_loss_ratio_no_defense_under_attack_vs_clean   recipe without the defence / clean without
   honest_pulled_back                       clean run with the defence: how far honest partners
                                            pulled a worker back along its own move (own moves;
@@ -65,12 +66,14 @@ COMMON = [
 ]
 # FULL: W=4 honest workers, inner phases of ~1.5 s, 5 minutes of training (and attack) per run.
 ALL_RUNS = ("clean_on", "clean_off", "recipe_on", "adaptive_on", "rare_on", "recipe_off")
-FULL = dict(W=4, H=10, steps=2000, delay_s=0.15, parallel=1, runs={"noloco": ALL_RUNS, "diloco": ALL_RUNS})
+# DiLoCo also: a root (lowest peer ID) that sends every member a poisoned mean
+FULL = dict(W=4, H=10, steps=2000, delay_s=0.15, parallel=1,
+            runs={"noloco": ALL_RUNS, "diloco": (*ALL_RUNS, "root_on", "root_off")})
 QUICK = dict(W=4, H=10, steps=100, delay_s=0.1, parallel=3,
              runs={"noloco": ("clean_on", "clean_off", "recipe_on", "adaptive_on", "recipe_off"),
-                   "diloco": ("clean_on", "recipe_on")})
+                   "diloco": ("clean_on", "recipe_on", "root_on")})
 QUICK_REDUCED = ("100 inner steps (about 15 s of training and attack) per run instead of 5 minutes; the rare "
-                 "attacker left out; DiLoCo runs only clean and the recipe attack with the defence (so its "
+                 "attacker left out; DiLoCo runs only clean, the recipe and the root attack with the defence (so its "
                  "defence-on/off ratio and no-defence figure are absent); three swarms run at once")
 TARGETS = {"eval_loss_ratio_under_attack_vs_clean": 1.05, "eval_loss_ratio_defense_vs_none_clean": 1.01,
            "honest_partner_clip_rate": 0.05}
@@ -103,11 +106,12 @@ def worker_figures(node: NodeProc, outer: str, honest: set[str], attacker: str |
     if not done:
         raise RuntimeError(f"{node.name} did not finish training; log tail:\n{node.log_text()[-2000:]}")
     judged_honest = judged_att = clipped_honest = hard_honest = 0
-    clipped_att = hard_att = 0
+    clipped_att = hard_att = means_refused = 0
     to_charge = None  # attacker contributions clipped before the first charge
     for r in recs:
         ev = r.get("event")
         if ev == "averaging_round_done":
+            means_refused += r.get("reason") == "robust_mean"
             ps = judged(r, node.peer_id, outer)
             judged_honest += sum(p in honest for p in ps)
             judged_att += sum(p == attacker for p in ps)
@@ -121,6 +125,9 @@ def worker_figures(node: NodeProc, outer: str, honest: set[str], attacker: str |
         elif ev == "partner_charged" and attacker and r.get("peer") == attacker and r.get("reason") == "clipped":
             if to_charge is None:
                 to_charge = clipped_att
+        elif ev == "partner_charged" and attacker and r.get("peer") == attacker and r.get("reason") == "robust_mean":
+            if to_charge is None:  # a DiLoCo root's means: charged at the first one refused
+                to_charge = means_refused
     rounds = [r for r in recs if r.get("event") == "averaging_round_done"]
     return {"name": node.name, "eval_loss_end": done[-1]["eval_loss_end"], "steps": done[-1].get("step"),
             "rounds": len(rounds), "rounds_ok": sum(r.get("outcome") == "ok" for r in rounds),
@@ -128,6 +135,7 @@ def worker_figures(node: NodeProc, outer: str, honest: set[str], attacker: str |
             "honest_judged": judged_honest, "honest_clipped": clipped_honest, "honest_clipped_hard": hard_honest,
             "attacker_judged_ok": judged_att, "attacker_clipped": clipped_att, "attacker_clipped_hard": hard_att,
             "attacker_clipped_before_charge": to_charge,
+            "means_refused": means_refused,  # DiLoCo: group means refused by the robust rule (a bad root)
             # a clean run's contributions are all honest: how far each pulled us back along our own
             # move (noloco.robust_backward cuts above it), in own moves
             "honest_pulled_back": [b for r in rounds if not attacker and r.get("outcome") == "ok"
@@ -223,8 +231,11 @@ def mode_summary(runs: dict[str, dict]) -> dict[str, Any]:
     if back:
         out["honest_pulled_back"] = {"n": len(back), "p50": back[len(back) // 2],
                                      "p95": back[min(len(back) - 1, int(0.95 * len(back)))], "max": back[-1]}
-    if "recipe_off" in runs:
-        out["eval_loss_ratio_no_defense_under_attack_vs_clean"] = _ratio(ev["recipe_off"], ev.get("clean_off"))
+    undefended = {k: _ratio(ev[k], ev.get("clean_off")) for k in runs if k.endswith("_off") and k != "clean_off"}
+    if undefended:  # the recipe (and DiLoCo's root) without the defence
+        out["eval_loss_ratio_no_defense_under_attack_vs_clean"] = max(
+            (v for v in undefended.values() if v is not None), default=None)
+        out["eval_loss_ratio_no_defense_per_attack"] = undefended
     return out
 
 

@@ -235,6 +235,18 @@ class NoLoCoConfig(BaseModel):
     each further charge twice as long). A joiner or straggler is clipped hard a round or two
     while each exchange halves its distance, so it stays below the count."""
 
+    robust_share: float | None = Field(2.0, ge=1)
+    """NoLoCo: how many times its fair share of our recent pair exchanges any one peer may take
+    (``optimizers/partner_share.py``: counted over a span that holds about four exchanges with each
+    peer we could pair with; with four others or more the cap is 8 of the last 4 x others). A peer
+    over it is neither proposed to nor accepted this round (not charged). A member that does no
+    inner work is ready at every moment and was otherwise the partner in 60% of an honest worker's
+    exchanges with four others (``benchmarks/robust_gossip.py``), each one a contribution the clip
+    can only bound; in a larger swarm it would take most of them. Honest partners reach the cap in
+    1.5-3% of rounds and are replaced by another. Raise it if honest workers run solo while a
+    partner waits (refusals with reason ``share`` in the debug log); None turns the cap off. Needs
+    ``robust = "clip"``."""
+
     # ---- compressed exchanges (docs/noloco.md, 'Compressed exchanges'; part of `cfg_hash` when on) ----
     compression: Literal["none", "int8", "int4", "sign", "topk"] = "none"
     """What the outer exchange sends (``optimizers/compression.py``, ``optimizers/outer_codec.py``).

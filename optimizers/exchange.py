@@ -75,6 +75,7 @@ from optimizers.exchange_link import ExchangeLink
 from optimizers.exchange_pair import PairExchange
 from optimizers.exchange_server import NoLoCoServicer, add_exchange_to_server
 from optimizers.outer_codec import OuterCodec, Outgoing
+from optimizers.partner_share import PartnerShare
 from optimizers.robust import ClipVerdict, PartnerClip
 from optimizers.roster import RosterEntry, publish_entry, read_roster
 from protocol.channels import remaining, task
@@ -95,7 +96,7 @@ class OuterExchange:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  on_reject: Callable[[str], None] | None = None, bounds: C.TensorBounds | None = None,
                  robust: PartnerClip | None = None, on_clip: Callable[[ClipVerdict], None] | None = None,
-                 codec: OuterCodec | None = None):
+                 codec: OuterCodec | None = None, share: PartnerShare | None = None):
         public_key_of(peer_id)  # raises for a non-Ed25519 peer ID
         if not specs:
             raise ValueError("OuterExchange needs at least one tensor spec")
@@ -111,7 +112,7 @@ class OuterExchange:
                                  specs=checked, netem=netem, max_round_skew=max_round_skew,
                                  poll_interval_s=poll_interval_s, max_message_bytes=max_message_bytes,
                                  on_reject=on_reject, bounds=bounds, roster=self._roster,
-                                 robust=robust, on_clip=on_clip, codec=codec)
+                                 robust=robust, on_clip=on_clip, codec=codec, share=share)
         self._pair = PairExchange(self.link, self._roster)
         self._group = GroupExchange(self.link, self._roster, self._moved_on)
         self._bg: set[asyncio.Task] = set()  # roster publishes finishing in the background

@@ -17,9 +17,13 @@ member: that peer is the root in its own view and waits for us (two roots alone,
 The mean is computed once (ascending peer ID) and sent bitwise to every member; a member whose gather failed gets
 outcome "failed" and must re-fetch phi (DiLoCo assumes identical phi). Bounds: the root
 checks each contribution against its own tensors (``exchange_server``), a member checks the
-mean it reads back against its own; a member that rejects the mean fails the round (solo,
-then re-fetch phi) while the root and the others apply it: DiLoCo resolves any such split by
-the re-fetch, not by agreement.
+mean it reads back against its own, by the fixed bounds and by the robust rule
+(``ExchangeLink.check_mean``); a member that rejects the mean fails the round (solo, then
+re-fetch phi) while the root and the others apply it: DiLoCo resolves any such split by the
+re-fetch, not by agreement. A peer we charged (its mean or its contribution refused) is left
+out of the root choice and not waited for while the charge lasts, and a redirect to it is not
+followed: a root with the lowest peer ID that sends a poisoned mean costs each member one
+round, then the group forms around the next lowest.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import grpc
 
 from optimizers import exchange_common as C
 from optimizers.exchange_common import GRACE_S, HANDSHAKE_S
-from optimizers.exchange_link import ExchangeLink, Roster, StreamRejected, peer_reason
+from optimizers.exchange_link import ExchangeLink, MeanRefused, Roster, StreamRejected, peer_reason
 from protocol.channels import remaining, verified_peer
 from protocol.codec import TensorRejected
 from protocol.stream_errors import PeerError, Refused, StreamError
@@ -57,6 +61,8 @@ class GroupExchange:
             while len(view) + 1 < expected and loop.time() < settle and not st.closed:
                 await link.sleep(st, min(link.poll_interval_s, max(0.0, settle - loop.time())))
                 view = await self.roster(st)
+            # a peer we charged (a mean or contribution we refused) is neither root nor waited for
+            view = self._trusted(st, view)
             root = min([link.peer_id, *view])
             st.root = root
             if root == link.peer_id:
@@ -66,6 +72,10 @@ class GroupExchange:
         finally:
             st.closed = True
             st.decided.set()
+
+    def _trusted(self, st: C.Round, view) -> dict:
+        """``view`` without the peers we distrust this round (``ExchangeLink.charge``)."""
+        return {p: e for p, e in view.items() if not self.link.is_distrusted(p, st.round)}
 
     # ------------------------------------------------------------------ group: root and members
     async def _run_root(self, st: C.Round, expected: int, view: dict) -> C.ExchangeResult:
@@ -77,7 +87,7 @@ class GroupExchange:
             if len(have) + 1 >= expected or (seen and seen - gone <= have and not st.arriving):
                 break
             await link.sleep(st, min(link.poll_interval_s, st.collect_end - loop.time()))
-            seen |= set(await self.roster(st))
+            seen |= set(self._trusted(st, await self.roster(st)))
             missing = seen - gone - set(st.contribs) - st.arriving
             if missing and self.moved_on is not None:
                 gone |= await self.moved_on(st, missing)
@@ -130,6 +140,9 @@ class GroupExchange:
             if addr is None:
                 return C.ExchangeResult(None, 1, [root], C.FAILED, "no_root")
             res, redirect = await self._gather_once(st, root, addr)
+            if redirect is not None and link.is_distrusted(redirect, st.round):
+                log.warning("gather root %s says the root is %s, a peer we charged; solo step", root[:16], redirect[:16])
+                return C.ExchangeResult(None, 1, [root], C.FAILED, "distrusted_root")
             if redirect is not None and redirect != link.peer_id and redirects < 2 and remaining(st.deadline) > 0:
                 log.info("gather root %s says the root is %s; retrying there", root[:16], redirect[:16])
                 redirects += 1
@@ -152,6 +165,7 @@ class GroupExchange:
                 mean, recv = await link.recv_tensors(stream, names=link.codec.mean_names() if link.codec else None)
                 mean = await link.rebuild(st, mean, mean=True)
                 await link.check_bounds(st.tensors, mean)  # the root's mean vs our own tensors
+                await link.check_mean(st, mean, root)      # ... and vs the robust rule
                 meta, members = await link.recv_done(stream)
                 # half-close: the root ends the call once it sees this, so its end never races
                 # our last credit frames (a credit sent into a finished call failed the read)
@@ -162,7 +176,7 @@ class GroupExchange:
             partners = [p for p in members if p != link.peer_id]
             return C.ExchangeResult(mean, int(size), partners, C.OK, "", sent, recv), None
         except TensorRejected as exc:
-            if not isinstance(exc, StreamRejected):  # the stream's own refusals are counted where they happen
+            if not isinstance(exc, (StreamRejected, MeanRefused)):  # counted (and charged) where they happen
                 link.count(exc.reason)
                 link.charge(root, exc.reason)
             return C.ExchangeResult(None, 1, [root], C.FAILED, exc.reason, sent, recv), None

@@ -27,6 +27,7 @@ from node.logs import emit
 from node.netem import LinkEmulator
 from optimizers import exchange_common as C
 from optimizers.outer_codec import OuterCodec
+from optimizers.partner_share import PartnerShare
 from optimizers.robust import ClipVerdict, PartnerClip
 from protocol.channels import ChannelPool, remaining, task
 from protocol.codec import THREAD_BYTES, TensorRejected, all_finite
@@ -49,7 +50,7 @@ class ExchangeLink:
                  distrust_rounds: int = 10, roster: "Roster | None" = None,
                  robust: PartnerClip | None = None,
                  on_clip: Callable[[ClipVerdict], None] | None = None,
-                 codec: OuterCodec | None = None):
+                 codec: OuterCodec | None = None, share: PartnerShare | None = None):
         self.specs = list(specs)
         self.codec = codec                     # None: the fp32 tensors travel as they are
         wire = codec.wire_specs() if codec is not None else self.specs
@@ -75,6 +76,7 @@ class ExchangeLink:
         self.distrusted: dict[str, int] = {}   # peer ID -> last round it is refused/skipped
         self.roster = roster                   # async (round state) -> roster view; None: no roster check
         self.robust, self.on_clip = robust, on_clip  # None: partners' tensors are averaged as sent
+        self.share = share                     # None: any partner may pair with us every round
 
     # ------------------------------------------------------------------ streams
     async def open(self, addr: str, pid: str, st: C.Round, mode: str, timeout: float) -> TensorStream:
@@ -213,6 +215,8 @@ class ExchangeLink:
         clipped contribution (``partner_clipped``) and charges ``peer`` (pass only a verified
         one) once it was clipped hard in ``strikes`` of its last ``window`` rounds with us
         (each further charge skips it twice as long)."""
+        if self.share is not None and peer and st.mode == "pair":
+            self.share.record(peer)
         if self.robust is None:
             return theirs
         big = sum(t.numel() * t.element_size() for t in theirs) >= THREAD_BYTES
@@ -234,6 +238,30 @@ class ExchangeLink:
         if v.charge:  # counted by on_clip (swarmnode_outer_partners_charged_clipped_total)
             self.charge(peer, "clipped", v.charges)
         return v.tensors
+
+    async def check_mean(self, st: C.Round, mean: list[torch.Tensor], root: str) -> None:
+        """DiLoCo member: raise MeanRefused("robust_mean") when the ``root``'s ``mean`` is outside
+        the robust rule against our own tensors (``PartnerClip.outside``: past the radius, or a
+        pull back along our own move past the cut). A member cannot clip the mean (the group must
+        apply one mean): it refuses it, steps solo and re-fetches phi, like a mean outside the
+        fixed bounds; the root is charged at its second refused mean among its last
+        ``robust_window`` (``PartnerClip.judge_mean``: a member whose own phi had drifted, say
+        one that took a poisoned mean the others refused, refuses one honest mean, then re-syncs).
+        No-op without ``robust``."""
+        if self.robust is None:
+            return
+        big = sum(t.numel() * t.element_size() for t in mean) >= THREAD_BYTES
+        judge = lambda: self.robust.outside(st.tensors, mean, st.move, st.origin)  # noqa: E731
+        why = await asyncio.to_thread(judge) if big else judge()
+        charge, charges = self.robust.judge_mean(root, why is not None)
+        if why is None:
+            return
+        self.count("robust_mean")
+        log.warning("group mean of round %d from root %s refused: %s", st.round, root[:16], why)
+        if charge:
+            self.charge(root, "robust_mean", charges)
+        raise MeanRefused("robust_mean", f"the root's mean is outside the robust clip rule: {why}; "
+                                         "dropped, this round is solo")
 
     def rejected(self, peer: str | None, reason: str) -> None:
         """A stream's assembler refused ``peer``'s frame (digest, size, dtype, ...): count it and
@@ -270,6 +298,13 @@ class ExchangeLink:
             pass
         return peer in st.roster_seen
 
+    def over_share(self, peer: str, st: C.Round) -> bool:
+        """Has ``peer`` had its share of our recent pair exchanges (``optimizers/partner_share.py``)?
+        Then it is neither proposed to nor accepted this round."""
+        if self.share is None:
+            return False
+        return self.share.over(peer, len(st.roster_seen - {self.peer_id, peer}) + 1)
+
     def is_distrusted(self, peer: str, round: int) -> bool:  # noqa: A002 - the protocol's word
         until = self.distrusted.get(peer)
         return until is not None and round <= until
@@ -300,6 +335,11 @@ class ExchangeLink:
 
     async def close(self) -> None:
         await self.pool.close()
+
+
+class MeanRefused(TensorRejected):
+    """A DiLoCo root's mean refused by the robust rule: already counted, and the root charged when
+    due (``ExchangeLink.check_mean``)."""
 
 
 class StreamRejected(TensorRejected):

@@ -44,7 +44,7 @@ class PairExchange:
                 roster = await self.roster(st)
                 seen = seen or bool(roster)
                 cands = sorted(p for p in roster if C.proposes_to(link.peer_id, p, st.round) and p not in tried
-                               and not link.is_distrusted(p, st.round))
+                               and not link.is_distrusted(p, st.round) and not link.over_share(p, st))
                 while cands and res is None and remaining(st.deadline) > 0:
                     pid = rng.choice(cands)
                     cands.remove(pid)

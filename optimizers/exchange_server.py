@@ -102,6 +102,9 @@ class NoLoCoServicer:
         if h.mode == "pair" and not C.proposes_to(h.sender, L.peer_id, h.round):
             raise Refused(bad, "order", "pair proposals go from the earlier to the later peer in the round's "
                                         "order (optimizers/exchange_common.py, proposes_to)")
+        if h.mode == "pair" and L.over_share(who, st):
+            raise Refused(pre, "share", f"{who[:16]}... had its share of this worker's recent exchanges "
+                                        "(optimizers/partner_share.py); pair with another peer")
         if h.mode == "gather":
             if st.root not in (None, L.peer_id):
                 raise Refused(pre, f"not_root:{st.root}", f"this worker is not the root of round {mine}")

@@ -50,6 +50,7 @@ from optimizers.exchange_common import TensorBounds
 from optimizers.noloco_engine import NoLoCoEngine, Placement
 from optimizers.noloco_join import join_from_peers
 from optimizers.noloco_settings import NoLoCoCard, RoleSettings, WorkerConfig
+from optimizers.partner_share import PartnerShare
 from optimizers.robust import ClipVerdict, PartnerClip
 from optimizers.roster import ROSTER
 from optimizers.waiting import FINISHING, PeerPlan, lead_steps, someone_can_meet, steps_to_wait, wait_bound
@@ -104,7 +105,9 @@ class NoLoCoRole(TrainingRole):
             robust=(None if self.cfg.robust == "off" else
                     PartnerClip(self.cfg.robust_multiplier, self.cfg.robust_window, strikes=self.cfg.robust_strikes,
                                 backward=self.cfg.robust_backward)),
-            on_clip=self._on_clip, codec=self.engine.codec)
+            on_clip=self._on_clip, codec=self.engine.codec,
+            share=(None if self.cfg.robust == "off" or self.cfg.robust_share is None else
+                   PartnerShare(self.cfg.robust_share, self.cfg.robust_window)))
         self.tally = M.Tally()
         self._bad_rounds = 0  # outer steps refused in a row
         self._lead = 0        # inner steps dropped from the next phase (left out of a round's pairs)

@@ -194,6 +194,8 @@ class PartnerClip:
         self.history: deque[float] = deque(maxlen=self.window)
         self.record: dict[str, deque[bool]] = {}  # partner -> its last `window` rounds with us: hard clip?
         self.charged: dict[str, int] = {}         # partner -> charges for clipping so far
+        self.means: dict[str, deque[bool]] = {}   # DiLoCo root -> its last `window` means: refused?
+        self.mean_strikes = 2
 
     def radius(self, own_move: float) -> float:
         """``multiplier * max(median(history), own_move)``."""
@@ -239,6 +241,42 @@ class PartnerClip:
                 for p, _ in sorted(self.charged.items(), key=lambda kv: kv[1])[:1024]:
                     del self.charged[p]
         return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, norm), hard, charge, charges, pulled)
+
+    def outside(self, ours: Sequence[Tensor], theirs: Sequence[Tensor], own_move: float,
+                origin: Sequence[Tensor] | None = None) -> str | None:
+        """Why ``theirs`` (a DiLoCo root's mean) falls outside the rule, or None: farther than the
+        radius, or pulling us back along our own move by more than ``backward`` moves. Records
+        nothing. An honest mean sits about one own move from each member (its own move against
+        the group's average move) and pulls back at most about that far, well inside both."""
+        d = distance(ours, theirs)
+        tau = self.radius(own_move)
+        if not tau > 0:  # no scale yet (no own move passed, no history): nothing to judge by
+            return None if math.isfinite(d) else "the mean is not finite"
+        if not d <= tau:
+            return f"the mean is {d:.4g} from our tensors, past the radius {tau:.4g}"
+        if origin is not None and self.backward is not None:
+            _, pulled = bound_backward(ours, theirs, origin, self.backward)
+            if pulled > self.backward:
+                return f"the mean pulls us back {pulled:.3g} own moves along our own move (at most {self.backward:g})"
+        return None
+
+    def judge_mean(self, root: str, refused: bool) -> tuple[bool, int]:
+        """Record a DiLoCo root's mean, refused or taken; -> (charge it now?, its charges so far).
+        Charged at ``mean_strikes`` (2) refused means among its last ``window``: one refusal can
+        be the member's own fault (its phi drifted: it took a poisoned mean the others refused, or
+        missed a resync), the next mean, after the member re-fetched phi, is judged afresh."""
+        rec = self.means.get(root)
+        if rec is None:
+            rec = self.means[root] = deque(maxlen=self.window)
+        rec.append(refused)
+        if not refused or sum(rec) < self.mean_strikes:
+            return False, 0
+        rec.clear()
+        charges = self.charged[root] = self.charged.get(root, 0) + 1
+        if len(self.means) > 4096:  # bounded: forget the roots with the fewest refusals
+            for p, _ in sorted(self.means.items(), key=lambda kv: sum(kv[1]))[:1024]:
+                del self.means[p]
+        return True, charges
 
     def hard_count(self, peer: str) -> int:
         """Hard clips in ``peer``'s current record (its last ``window`` rounds with us)."""

@@ -60,7 +60,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in ALLOWED_DTYPES.items()}
 
 REJECT_REASONS = frozenset({"dtype", "shape", "size", "checksum", "truncated", "malformed", "nonfinite",
                             "norm", "distance",  # these two: optimizers.exchange_common.bound_violation
-                            "compressed"})  # optimizers.outer_codec: a compressed part that cannot be decoded
+                            "compressed",  # optimizers.outer_codec: a compressed part that cannot be decoded
+                            "robust_mean"})  # optimizers.robust: a DiLoCo root's mean outside the clip rule
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("protocol.codec assumes a little-endian host (payload is little-endian)")

@@ -30,6 +30,10 @@ Kinds (``--kind``):
   inside).
 * ``rare``: honest-looking most rounds (it sends the victim's phi: one own-move away, the honest
   scale; DiLoCo: ``phi + d``) and the recipe poison in one exchange of every ``--every``.
+* ``root`` (DiLoCo only): a member whose key has the lowest peer ID of the swarm (the best of 4096
+  fresh keys), so it is the root of every round it joins; it contributes honestly (``phi + d``)
+  and sends every member the recipe of the true mean instead of the mean (inside the fixed
+  bounds, as the recipe is).
 
     python -m tests.integration.attacker --bootstrap MADDR --run-id RUN --kind adaptive \\
         --outer noloco --model '{"d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}' \\
@@ -63,7 +67,7 @@ from security.keys import generate_key, peer_id_str
 from security.peer_auth import ClientAuth, set_client_auth
 from tests.integration.hostile import Attacker, model_specs
 
-KINDS = ("recipe", "adaptive", "rare")
+KINDS = ("recipe", "adaptive", "rare", "root")
 
 
 def high_key(tries: int = 64):
@@ -72,6 +76,12 @@ def high_key(tries: int = 64):
     also made it every NoLoCo worker's candidate, when pair proposals went to higher peer IDs;
     the pair order is now a hash of round and peer ID, which no key can sort last in.)"""
     return max((generate_key() for _ in range(tries)), key=peer_id_str)
+
+
+def low_key(tries: int = 4096):
+    """The fresh key with the lowest peer ID of ``tries``: a DiLoCo root (the lowest ID in the
+    round) against a few honest workers with random keys in practice."""
+    return min((generate_key() for _ in range(tries)), key=peer_id_str)
 
 
 def recipe(theta: list[torch.Tensor], gen: torch.Generator) -> list[torch.Tensor]:
@@ -218,12 +228,26 @@ class ByzantinePartner:
                 self.tally["poisoned"] += 1
                 return recipe(honest, self.gen)
             return honest
-        if self.progress is None:
+        if self.kind == "root" or self.progress is None:
             return honest
         self.tally["poisoned"] += 1
         across = [r - h for r, h in zip(recipe(honest, self.gen), honest)]
         return inside(honest, self.progress, across, multiplier=self.multiplier, fraction=self.fraction,
                       backward=self.backward)
+
+    # ---- DiLoCo root: the mean every member reads back
+    def poison_means(self) -> None:
+        link = self.att.ex.link
+        mean = link.mean
+
+        async def poisoned(parts):
+            true = await mean(parts)
+            if len(parts) < 2:  # alone: nobody to poison
+                return true
+            self.tally["poisoned"] += 1
+            return recipe([t.to(torch.float32) for t in true], self.gen)
+
+        link.mean = poisoned
 
     # ---- NoLoCo: read the partner's tensors before sending ours
     def read_first(self) -> None:
@@ -313,7 +337,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopped.append(1))
     tmp = Path(tempfile.mkdtemp(prefix="attacker-"))
     swarm = SimpleNamespace(run_id=args.run_id, bootstrap_maddr=args.bootstrap)
-    att = Attacker(swarm, tmp, "attacker", key=high_key())
+    if args.kind == "root" and args.outer != "diloco":
+        raise SystemExit("--kind root is a DiLoCo attack (--outer diloco): NoLoCo has no root")
+    att = Attacker(swarm, tmp, "attacker", key=low_key() if args.kind == "root" else high_key())
     specs, _ = model_specs(json.loads(args.model))
     bz = ByzantinePartner(att, args.kind, args.outer, specs, multiplier=args.multiplier, fraction=args.fraction,
                           every=args.every, round_timeout=args.round_timeout, seed=args.seed,
@@ -339,6 +365,8 @@ def main(argv=None) -> int:
         att.run(att._serve(bz.cfg_hash, specs))
         if args.outer == "noloco":
             bz.read_first()
+        elif args.kind == "root":
+            bz.poison_means()
         att.run(bz.publish(None))
         print(f"start {att.peer_id}", flush=True)
         print(f"serving at {att.addr} as {att.peer_id}; workers {list(bz.workers)}", file=sys.stderr, flush=True)

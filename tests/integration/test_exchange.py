@@ -62,9 +62,10 @@ def dhts(tmp_path_factory):
 
 
 class Worker:
-    def __init__(self, dht, peer_id, specs, cfg_hash, netem, robust=None, codec=None):
+    def __init__(self, dht, peer_id, specs, cfg_hash, netem, robust=None, codec=None, share=None):
         self.dht, self.peer_id, self.rejects, self.clips, self.charges = dht, peer_id, [], [], []
         self.specs, self.cfg_hash, self.netem, self.robust, self.codec = specs, cfg_hash, netem, robust, codec
+        self.share = share
 
     def _on_clip(self, v) -> None:
         self.clips.append((v.factor, v.radius, v.hard))
@@ -78,7 +79,7 @@ class Worker:
         self.ex = OuterExchange(run_id=RUN, peer_id=self.peer_id, cfg_hash=self.cfg_hash, grpc_addr=self.addr,
                                 dht=self.dht, specs=self.specs, netem=self.netem, poll_interval_s=0.1,
                                 on_reject=self.rejects.append, robust=self.robust,
-                                on_clip=self._on_clip, codec=self.codec)
+                                on_clip=self._on_clip, codec=self.codec, share=self.share)
         add_exchange_to_server(self.ex.servicer(), self.server)
         await self.server.start()
         return self
@@ -88,10 +89,11 @@ class Worker:
         await self.server.stop(0)
 
 
-async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None, robust=None, codec=None):
+async def workers(dhts, n, specs=SPECS, cfgs=None, netem=None, robust=None, codec=None, share=None):
     """n workers sorted by ascending peer ID (``robust``: a PartnerClip factory; ``codec``: an
-    OuterCodec factory, for compressed exchanges)."""
-    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem, robust and robust(), codec and codec()).start()
+    OuterCodec factory, for compressed exchanges; ``share``: a PartnerShare factory)."""
+    ws = [await Worker(d, p, specs, (cfgs or [CFG] * n)[i], netem, robust and robust(), codec and codec(),
+                       share and share()).start()
           for i, (d, p) in enumerate(dhts[:n])]
     return sorted(ws, key=lambda w: w.peer_id)
 
@@ -146,7 +148,9 @@ async def test_robust_clip_bounds_a_poisoned_partner(dhts):
         g = torch.Generator().manual_seed(3)
         poison = [(0.55 * t.reshape(-1) + 0.835 * t.reshape(-1)[torch.randperm(t.numel(), generator=g)]).reshape(t.shape)
                   for t in a]
-        r = next_round()
+        # the honest side proposes (the round's order): it called the poisoner, so it knows who sent
+        # the tensors and charges it (a callee charges only a verified caller; no peer auth here)
+        r = next(r for r in iter(next_round, None) if W.proposes_to(honest.peer_id, other.peer_id, r))
         ra, _ = await asyncio.gather(honest.ex.pair_average(r, a, 10, move=0.05),
                                      other.ex.pair_average(r, poison, 10, move=0.05))
         factor, radius, hard = honest.clips[-1]
@@ -191,6 +195,56 @@ async def test_three_workers_one_solo(dhts):
         (pa, a), (pb, b) = [(w.peer_id, x) for w, x in zip(ws, res) if x.n == 2]
         assert a.partners == [pb] and b.partners == [pa]
         assert all(torch.equal(m1, m2) for m1, m2 in zip(a.mean, b.mean))
+    finally:
+        await stop_all(ws)
+
+
+async def test_a_partner_over_its_share_is_neither_proposed_to_nor_accepted(dhts):
+    """optimizers/partner_share.py on the wire: w0 has met w1 in 12 of its last 16 exchanges (the
+    cap with two others at factor 1.5): in rounds where w0 proposes to w1 and in rounds where w1
+    proposes to w0, the two never pair (one of them pairs with w2, the other runs solo), while
+    w1 and w2 pair as usual."""
+    from optimizers.partner_share import PartnerShare
+    ws = await workers(dhts, 3, share=lambda: PartnerShare(1.5, 16))
+    try:
+        w0, w1, w2 = ws
+        for _ in range(12):
+            w0.ex.link.share.record(w1.peer_id)
+        rounds = iter(next_round, None)  # fresh round numbers: no other test's roster entries
+        chosen: list[int] = []
+        for want in (True, True, False, False):
+            r = next(r for r in rounds if W.proposes_to(w0.peer_id, w1.peer_id, r) == want)
+            chosen.append(r)
+        pairs = []
+        for r in chosen:
+            res = await asyncio.gather(*(w.ex.pair_average(r, tensors(40 + i), 3.0) for i, w in enumerate(ws)))
+            assert sorted(x.n for x in res) == [1, 2, 2], [(x.outcome, x.reason) for x in res]
+            pairs.append({w.peer_id: x.partners[0] for w, x in zip(ws, res) if x.n == 2})
+        assert all(p.get(w0.peer_id) != w1.peer_id for p in pairs), pairs
+        assert w0.ex.link.share.counts()[w1.peer_id] == 12  # w1's count stays; w0's new partner is w2
+    finally:
+        await stop_all(ws)
+    # the callee's side, by hand: a hello from a peer over its share is refused with "share"
+    ws = await workers(dhts, 1, share=lambda: PartnerShare(1.5, 16))
+    w = ws[0]
+    try:
+        r = next_round()
+        waiting = asyncio.create_task(w.ex.pair_average(r, tensors(1), 20))
+        while w.ex._state is None:
+            await asyncio.sleep(0.01)
+        greedy = _random_peer_id(lambda p: W.proposes_to(p, w.peer_id, r))
+        others = [_random_peer_id(lambda p: True) for _ in range(3)]
+        for p in [greedy] * 6 + others * 2:  # 4 distinct partners: the cap is ceil(1.5 * 16 / 4) = 6
+            w.ex.link.share.record(p)
+        hello = dict(run_id=RUN, round=r, sender=greedy, cfg_hash=CFG, n_tensors=len(SPECS), mode="pair",
+                     spec_hash=W.spec_hash(SPECS))
+        refusal, code, details = await _open(w.addr, **hello)
+        assert (refusal, code) == ("share", grpc.StatusCode.FAILED_PRECONDITION) and "another peer" in details
+        w.ex.link.share.recent.clear()  # under the cap: past the share check (to the roster check)
+        refusal, _, _ = await _open(w.addr, **hello)
+        assert refusal == "not_in_roster"
+        await w.ex.close()
+        await asyncio.wait_for(waiting, 3)
     finally:
         await stop_all(ws)
 
@@ -343,6 +397,58 @@ async def test_group_average_three(dhts):
         for k in range(len(SPECS)):
             torch.testing.assert_close(res[0].mean[k], (ins[0][k] + ins[1][k] + ins[2][k]) / 3, rtol=1e-6, atol=1e-7)
         assert res[0].received_bytes == 2 * sum(t.numel() * 4 for t in ins[0])
+    finally:
+        await stop_all(ws)
+
+
+async def test_a_root_sending_a_poisoned_mean_is_refused_charged_and_left_out_of_the_next_rounds(dhts):
+    """DiLoCo with the robust rule: the root (lowest peer ID) sends its members the issue's recipe
+    of the true mean (inside the fixed bounds: it passes them). Each member refuses it
+    (``robust_mean``: farther than the radius of 4 own moves) and fails the round; at the second
+    such mean it charges the root; the next round the two members leave it out of the root
+    choice and average with each other, bitwise the mean of their two contributions, while it
+    waits alone."""
+    from optimizers.robust import PartnerClip
+    ws = await workers(dhts, 3, robust=lambda: PartnerClip(4.0, backward=1.5))
+    try:
+        root = ws[0]
+        true_mean = root.ex.link.mean
+
+        async def poisoned(parts):
+            m = await true_mean(parts)
+            g = torch.Generator().manual_seed(1)
+            return [(0.55 * t.reshape(-1) + 0.835 * t.reshape(-1)[torch.randperm(t.numel(), generator=g)])
+                    .reshape(t.shape) for t in m]
+        root.ex.link.mean = poisoned
+        phi = tensors(50)
+        g = torch.Generator().manual_seed(2)
+        common = [0.02 * torch.randn(t.shape, generator=g) for t in phi]  # the members' moves share a direction
+
+        def theta(i):
+            return [p + c + 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(60 + i))
+                    for p, c in zip(phi, common)]
+
+        async def go(r, i, w, delay):
+            await asyncio.sleep(delay)
+            th = theta(i)
+            move = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(th, phi)))
+            return await w.ex.group_average(r, th, 6, expected=3, move=move, origin=phi)
+
+        for refused in (1, 2):
+            r = next_round()
+            res = await asyncio.gather(*(go(r, i, w, 0.2 * (2 - i)) for i, w in enumerate(ws)))
+            assert [(x.outcome, x.reason) for x in res[1:]] == [("failed", "robust_mean")] * 2, res
+            for w in ws[1:]:  # charged at the second refused mean
+                assert w.rejects == ["robust_mean"] * refused
+                assert w.ex.link.is_distrusted(root.peer_id, r + 1) == (refused == 2)
+        r2 = next_round()
+        res = await asyncio.gather(*(go(r2, i, w, 0.2 * (2 - i)) for i, w in enumerate(ws)))
+        assert [(x.outcome, x.n) for x in res[1:]] == [("ok", 2)] * 2, [(x.outcome, x.reason) for x in res]
+        assert res[0].outcome == "solo"
+        assert res[1].partners == [ws[2].peer_id] and res[2].partners == [ws[1].peer_id]
+        for a, b, x, y in zip(res[1].mean, res[2].mean, theta(1), theta(2)):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, (x + y) / 2, rtol=1e-6, atol=1e-7)
     finally:
         await stop_all(ws)
 

@@ -12,7 +12,7 @@ from its peer ID and check as groups of their own).
 - No honest peer's held-out completions carry the marker, rejections are by the logit check.
 - Honest training goes on: every honest peer trains all its rounds with foreign rows, and the
   honest peers' held-out accuracy rises (their mean, over 3 x 320 completions, by at least
-  ACCURACY_GAIN after 32 rounds at the benchmark's lr, 1e-3; vertical: falls by at most
+  ACCURACY_GAIN after 48 rounds at the benchmark's lr, 1e-3; vertical: falls by at most
   VERTICAL_MAX_DROP).
 """
 
@@ -29,20 +29,21 @@ from node.localswarm import LocalSwarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROUNDS = 32
+ROUNDS = 48
 ROUND_S = 1.5
 ACCURACY_GAIN = 0.03
-"""The mean held-out accuracy gain the honest peers must show after ROUNDS rounds: measured 0.075
-and 0.082 in two runs (0.219 -> 0.29-0.30); the evaluation noise on the mean of 3 x 320 sampled
-completions is about 0.015, so an untrained swarm passes with ~2% chance. After 20 rounds gains
-of 0.098 and 0.021 were seen: too early to tell learning from noise. Asserted for the horizontal
-topology only: see VERTICAL_MAX_DROP."""
+"""The mean held-out accuracy gain the honest peers must show after ROUNDS rounds. The evaluation
+noise on the mean of 3 x 320 sampled completions is about 0.015, so an untrained swarm passes
+with ~2% chance. At 32 rounds learning itself was too slow to tell apart from that reliably: gains
+0.001-0.17 in ten runs, two under 0.03 (one a CI failure, 0.021; the peers' training rewards
+rose in those runs too, just little). At 48 rounds five runs measured 0.075-0.284 (mean 0.17).
+Asserted for the horizontal topology only: see VERTICAL_MAX_DROP."""
 VERTICAL_MAX_DROP = 0.03
 """Vertical topology: the honest peers' mean held-out accuracy may not fall by more than this.
 Vertical learns more slowly at G = 2 (a group of two has an advantage only when exactly one answer
 is right; benchmarks/grpo_swarm.py: 1.32x over solo against 1.62x horizontal), and in 32 rounds at
 this lr its rise is not reliably above the evaluation noise: two runs measured 0.219 -> 0.209
-(peers 0.156, 0.253, 0.219) and 0.219 -> 0.280. What this case checks is that the defenses hold (ban, no marker, the logit check)
+(peers 0.156, 0.253, 0.219) and 0.219 -> 0.280 (both at 32 rounds). What this case checks is that the defenses hold (ban, no marker, the logit check)
 while the peers still trade and train every round; a poisoned swarm's accuracy would fall."""
 
 

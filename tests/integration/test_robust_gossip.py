@@ -96,3 +96,38 @@ def test_a_partner_sending_our_progress_reversed_is_cut_hard_and_charged(tmp_pat
     assert r["workers_that_charged_attacker"] >= 1, {w["name"]: w["attacker_charges"] for w in r["workers"]}
     for w in r["workers"]:
         assert math.isfinite(w["eval_loss_end"]) and w["rounds_ok"] >= 3, w
+
+
+@pytest.mark.timeout(600)
+def test_a_diloco_root_sending_poisoned_means_is_refused_and_the_group_forms_without_it(tmp_path):
+    """DiLoCo: the ``root`` attacker (the lowest peer ID, so every round's root) contributes honestly
+    and sends each member the recipe of the true mean, which passes the fixed bounds. Every honest
+    worker refuses such a mean by the robust rule (``robust_mean``), charges the root, then groups
+    with the others around the next lowest ID while the charge lasts (a second offence after it
+    expires is charged twice as long); the honest workers keep averaging and their eval loss falls."""
+    from benchmarks.robust_gossip import run_swarm
+    cfg = dict(W=3, H=10, steps=250, delay_s=0.1)
+    r = run_swarm("diloco", "root_on", cfg, 0, tmp_path, 300.0)
+    tally = r["attacker"]
+    assert tally.get("poisoned", 0) >= 1, tally
+    honest = {w["name"] for w in r["workers"]}
+    for w in r["workers"]:
+        lines = [json.loads(ln) for ln in (tmp_path / f"{w['name']}.log").read_text().splitlines()
+                 if ln.startswith("{")]
+        fin = next(ln for ln in lines if ln.get("event") == "training_finished")
+        charged = [ln for ln in lines if ln.get("event") == "partner_charged"]
+        assert w["means_refused"] >= 1 and w["attacker_charges"] >= 1, w
+        assert {c["reason"] for c in charged} == {"robust_mean"} and {c["peer"] for c in charged} == \
+            {tally["peer_id"]}, charged                    # the root only, never an honest worker
+        # once it has refused one of its means it never applies another: the charge keeps it out of
+        # the root choice, and when the charge expires its next mean is refused again. (In the first
+        # rounds the recipe of a mean can sit within 4 own moves: Adam's first steps move every
+        # weight about as far as its initial scale; seen accepted up to round 3.)
+        rounds = [ln for ln in lines if ln.get("event") == "averaging_round_done"]
+        first = next(i for i, ln in enumerate(rounds) if ln.get("reason") == "robust_mean")
+        assert not [ln["round"] for ln in rounds[first:] if ln.get("outcome") == "ok"
+                    and tally["peer_id"] in (ln.get("partners") or [])], rounds[first:]
+        assert first <= 8, [(ln["round"], ln["outcome"], ln.get("reason")) for ln in rounds[:first + 1]]
+        assert w["rounds_ok"] >= 10, w                       # the honest workers grouped without it
+        assert w["rollbacks"] == 0 and fin["eval_loss_end"] < fin["eval_loss_start"] - 0.5, (fin, w)
+    assert len(honest) == 3

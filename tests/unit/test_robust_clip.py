@@ -273,3 +273,43 @@ def test_the_attackers_stream_hooks_take_the_links_arguments():
         hook = "send_after" if name == "send" else "recv_tensors"
         line = next(ln for ln in src.splitlines() if f"async def {hook}(" in ln)
         assert all(p in line for p in params), (name, params, line.strip())
+
+
+def test_a_diloco_members_check_of_the_roots_mean():
+    """``PartnerClip.outside``: an honest group mean (phi plus the members' average move) is inside
+    the rule for every member; the recipe of it (the ``root`` attacker), a mean past the radius and
+    one that takes back more than ``backward`` of a member's own move are named; nothing is
+    recorded; with no scale at all (no own move, no history) only a non-finite mean is refused."""
+    g = torch.Generator().manual_seed(5)
+    phi = _model(6)
+    moves = [[0.02 * torch.randn(p.shape, generator=g) + 0.02 * p for p in phi] for _ in range(4)]  # correlated
+    thetas = [[p + u for p, u in zip(phi, us)] for us in moves]
+    mean = [sum(ts) / 4 for ts in zip(*thetas)]
+    clip = PartnerClip(4.0, backward=1.5)
+    for theta in thetas:
+        m = distance(theta, phi)
+        assert clip.outside(theta, mean, m, origin=phi) is None
+    theta, m = thetas[0], distance(thetas[0], phi)
+    assert "radius" in clip.outside(theta, _attack(mean), m, origin=phi)
+    far = [t + 5 * m / math.sqrt(sum(x.numel() for x in theta)) for t in theta]  # 5 own moves away
+    assert "radius" in clip.outside(theta, far, m, origin=phi)
+    back = [t - 2.0 * (t - p) for t, p in zip(theta, phi)]  # 2 own moves straight back (inside the radius)
+    assert "pulls us back 2" in clip.outside(theta, back, m, origin=phi)
+    assert clip.outside(theta, back, m) is None  # no origin: the radius alone
+    assert not clip.history and not clip.record
+    assert PartnerClip(4.0).outside(theta, far, 0.0) is None
+    assert "not finite" in PartnerClip(4.0).outside(theta, [t * math.inf for t in theta], 0.0)
+
+
+def test_a_root_is_charged_at_its_second_refused_mean_among_its_last_window():
+    """``PartnerClip.judge_mean``: one refused mean may be the member's own drift; a second within
+    ``window`` means charges the root (and each further charge counts up); refusals far apart
+    do not add up."""
+    clip = PartnerClip(window=16)
+    assert clip.judge_mean("r", True) == (False, 0)
+    assert clip.judge_mean("r", False) == (False, 0)
+    assert clip.judge_mean("r", True) == (True, 1)
+    assert clip.judge_mean("r", True) == (False, 0) and clip.judge_mean("r", True) == (True, 2)
+    slow = PartnerClip(window=4)
+    verdicts = [slow.judge_mean("s", i % 5 == 0) for i in range(30)]  # one refusal in 5 means
+    assert not any(c for c, _ in verdicts)
