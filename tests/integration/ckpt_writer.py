@@ -46,18 +46,25 @@ def checkpointer(state_dir: str) -> Checkpointer:
     return Checkpointer(state_dir, FORMAT, CFG, keep=2)
 
 
+def _say(line: str) -> None:
+    """One whole line in one ``write`` (atomic on a pipe): ``print`` under ``PYTHONUNBUFFERED=1`` (as
+    CI may set) writes the text and its newline in two calls, and a SIGKILL between them glued the
+    parent's next line onto the child's (``start 471dead 16501``)."""
+    os.write(1, (line + "\n").encode())
+
+
 def writer(state_dir: str) -> None:
     ck = checkpointer(state_dir)
     state = ck.read(required=("model",))
     k = int(state["meta"]["k"]) if state else 0
-    print(f"resumed {k} {state['digest'] if state else '-'}", flush=True)
+    _say(f"resumed {k} {state['digest'] if state else '-'}")
     w = base() + k
     while True:
         k += 1
         w += 1.0
-        print(f"start {k}", flush=True)
+        _say(f"start {k}")
         ck.save({"model": Part({"w": w})}, {"k": k})
-        print(f"written {k} {ck.last_digest}", flush=True)
+        _say(f"written {k} {ck.last_digest}")
 
 
 def main(argv: list[str]) -> int:
@@ -72,9 +79,9 @@ def main(argv: list[str]) -> int:
                 writer(argv[0])
             finally:
                 os._exit(1)
-        print(f"child {pid}", flush=True)
+        _say(f"child {pid}")
         os.waitpid(pid, 0)
-        print(f"dead {pid}", flush=True)
+        _say(f"dead {pid}")
     return 0
 
 
