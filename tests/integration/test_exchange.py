@@ -228,10 +228,7 @@ async def test_a_partner_over_its_share_is_neither_proposed_to_nor_accepted(dhts
     ws = await workers(dhts, 1, share=lambda: PartnerShare(1.5, 16))
     w = ws[0]
     try:
-        r = next_round()
-        waiting = asyncio.create_task(w.ex.pair_average(r, tensors(1), 20))
-        while w.ex._state is None:
-            await asyncio.sleep(0.01)
+        r, waiting = await _waiting_round(w)
         greedy = _random_peer_id(lambda p: W.proposes_to(p, w.peer_id, r))
         others = [_random_peer_id(lambda p: True) for _ in range(3)]
         for p in [greedy] * 6 + others * 2:  # 4 distinct partners: the cap is ceil(1.5 * 16 / 4) = 6
@@ -323,14 +320,20 @@ def _random_peer_id(wanted, tries: int = 200_000) -> str:
     raise AssertionError(f"no peer ID out of {tries} random keys satisfies the condition")
 
 
+async def _waiting_round(w) -> tuple[int, asyncio.Task]:
+    """A fresh round ``w`` waits in for a partner (its pair state open), and the task of that wait."""
+    r = next_round()
+    waiting = asyncio.create_task(w.ex.pair_average(r, tensors(1), 20))
+    while w.ex._state is None:
+        await asyncio.sleep(0.01)
+    return r, waiting
+
+
 async def test_bad_headers_rejected_and_counted(dhts):
     ws = await workers(dhts, 1)
     w = ws[0]
     try:
-        r = next_round()
-        waiting = asyncio.create_task(w.ex.pair_average(r, tensors(1), 20))
-        while w.ex._state is None:
-            await asyncio.sleep(0.01)
+        r, waiting = await _waiting_round(w)
         # who may propose to w this round: a peer before it in the round's order (not by peer ID)
         lower = _random_peer_id(lambda p: W.proposes_to(p, w.peer_id, r))
         higher = _random_peer_id(lambda p: W.proposes_to(w.peer_id, p, r))
