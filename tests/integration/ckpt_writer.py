@@ -72,7 +72,6 @@ def main(argv: list[str]) -> int:
     for line in sys.stdin:
         if line.strip() != "fork":
             continue
-        sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
             try:
