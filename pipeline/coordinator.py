@@ -147,6 +147,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
         self.incarnations: dict[str, float] = {}         # peer ID -> its card's started_at (the plan records it)
+        self.reset_moments = False   # a quarantine since the last plan: the next plan without it clears AdamW moments
         self.admission = None if probe is None else StageAdmission(ctx, probe, cfg.probe_timeout_s, cfg.stall_s)
         self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
                                                                 self._quarantine)
@@ -278,7 +279,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             sched, cluster = await asyncio.to_thread(plan_for, members, self.cfg, self.ctx.config.netem,
                                                      self.activation_bytes, epoch)
             # which process each node runs as: a node restarted as itself aborts the iteration in flight
-            sched = dataclasses.replace(sched, incarnations=tuple(self.incarnations.get(n, 0.0) for n in sched.names))
+            sched = dataclasses.replace(sched, incarnations=tuple(self.incarnations.get(n, 0.0) for n in sched.names),
+                                        reset_moments=self.reset_moments and not any(
+                                            m[0] in self.quarantined for m in members))
         except ScheduleViolation as exc:
             self.waiting_reason = f"planning failed: {exc}"
             emit(log, "schedule_failed", "no schedule for {nodes} stage nodes: {error}", level=logging.ERROR, nodes=len(members),
@@ -306,6 +309,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         if self.audits is not None:
             self.audits.published(epoch, {m[0]: (m[1], frozenset(i for i, p in enumerate(sched.paths) if n in p[1:]))
                                           for n, m in enumerate(members)})
+        if sched.reset_moments:
+            self.reset_moments = False
         async with self._changed:
             self.epoch = epoch
             self.replies[epoch] = reply
@@ -339,6 +344,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         if peer in self.quarantined:
             return
         self.quarantined[peer] = why
+        self.reset_moments = True    # what it sent is in every stage's AdamW moments (Schedule.reset_moments)
         if self.audits is not None:
             self.audits.forget(peer)
         M.QUARANTINED.set(len(self.quarantined))

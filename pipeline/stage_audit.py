@@ -80,8 +80,10 @@ UPSTREAM_COS_MIN = 0.9
 def step_gradient(opt_before: Mapping[str, Tensor], opt_after: Mapping[str, Tensor], names: list[str],
                   b1: float) -> dict[str, Tensor] | None:
     """The (clipped) gradient of the AdamW step between two served states: m_T = b1 m_{T-1} +
-    (1 - b1) g, so g = (m_T - b1 m_{T-1}) / (1 - b1). None when no step was taken in between
-    (a skipped, non-finite step leaves the moments as they were) or a moment is missing."""
+    (1 - b1) g, so g = (m_T - b1 m_{T-1}) / (1 - b1); at step count 1 the moments are fresh (the
+    first step, or the first after a quarantine cleared them: `Schedule.reset_moments`), so
+    g = m_T / (1 - b1). None when no step was taken in between (a skipped, non-finite step leaves
+    the moments as they were) or a moment is missing."""
     out = {}
     for n in names:
         m1 = opt_after.get(f"{n}.exp_avg")
@@ -89,9 +91,12 @@ def step_gradient(opt_before: Mapping[str, Tensor], opt_after: Mapping[str, Tens
             return None
         s1 = float(opt_after.get(f"{n}.step", torch.tensor(0.0)))
         s0 = float(opt_before.get(f"{n}.step", torch.tensor(0.0)))
-        if s1 != s0 + 1:
+        if s1 == 1:                      # AdamW's first step, or the first after its moments were cleared
+            m0 = None
+        elif s1 != s0 + 1:
             return None
-        m0 = opt_before.get(f"{n}.exp_avg")
+        else:
+            m0 = opt_before.get(f"{n}.exp_avg")
         m0 = torch.zeros_like(m1) if m0 is None else m0
         out[n] = (m1.double() - b1 * m0.double()) / (1 - b1)
     return out

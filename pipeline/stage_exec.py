@@ -520,6 +520,9 @@ class StageExecutor:
         if total > 0:
             flat = flat * (len(order) / total)       # sum / visits: the mean over visiting microbatches
         norm = clipped = float("nan")
+        reset = sched.reset_moments and self.prev_epoch != st.epoch
+        if reset:                                    # first step on a plan made after a quarantine
+            self.opt.state.clear()                   # AdamW starts its moments again (Schedule.reset_moments)
         if finite and total > 0:
             off = 0
             for p in self.params:
@@ -542,7 +545,7 @@ class StageExecutor:
         loss = sum(st.losses) / len(st.losses) if st.losses else None
         next_epoch = max(st.grads[r][2] for r in order)
         res = StepResult(self.iteration, st.visits, total, norm, clipped, weights_sha256(self.module), loss,
-                         next_epoch)
+                         next_epoch, moments_reset=reset)
         del self._it[self.iteration]
         self.prev_epoch = st.epoch
         self.iteration += 1

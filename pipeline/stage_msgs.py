@@ -57,6 +57,8 @@ class StepResult:
     loss: float | None
     """Mean training loss of this origin's microbatches (stage 0 only)."""
     next_epoch: int
+    moments_reset: bool = False
+    """AdamW's moments were cleared before this step (the first on a plan made after a quarantine)."""
 
 
 @dataclass

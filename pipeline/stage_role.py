@@ -533,6 +533,10 @@ class StageRole(TrainingRole):
 
     async def _on_step(self, e: StepResult) -> None:
         self._resync = None                      # stepped in step with the pipeline: in sync
+        if e.moments_reset:
+            emit(self.log, "optimizer_moments_reset", "iteration {iteration}: AdamW moments cleared before the step "
+                 "(the first on schedule epoch {epoch}, made after a quarantine: what the quarantined node sent "
+                 "is out of the optimizer state)", level=logging.WARNING, iteration=e.iteration, epoch=self.ex.epoch)
         timing, train = self.stats.step(e, self.ex, self.settings.data.batch_size * self.settings.data.seq_len)
         snap = await self.take_snapshot()
         if self.cfg.index == 1:

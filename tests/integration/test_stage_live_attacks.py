@@ -14,8 +14,9 @@ test-only attack harness (pipeline/live_attacks.py):
   rebuilt within 100 iterations.
 
 The pipeline's validation loss after 100 iterations is within 10% of an all-honest run of the same
-seeds (measured once in this module) for the NaN and the gradient-flipping stage; for the noisy
-stage within 20% (`NOISY_LOSS_BOUND`: the 10% is not reliably met), and no honest node is ever flagged.
+seeds (measured once in this module) in each case, and no honest node is ever flagged. The honest
+stages clear their AdamW moments on the first plan without the quarantined node
+(`optimizer_moments_reset`): the noisy stage's gradients otherwise stay in them.
 """
 
 from __future__ import annotations
@@ -160,15 +161,15 @@ def test_a_stage_adding_noise_to_its_activations_is_quarantined_and_rebuilt(nois
           f"{honest['eval_loss']:.4f}; wall {r['wall']:.0f} s")
 
 
-NOISY_LOSS_BOUND = 0.20
-"""The noisy stage's bound, looser than the issue's 10%: caught on its first steps, it still left the
-eval loss 13-14% above the honest run after the CheckFree edge copy in 2 runs (3.16-3.19 vs 2.79)
-and within 10% in the next one; the 10% target is not reliably met (issue 32, docs/pipeline.md)."""
-
-
 def test_after_a_noisy_stage_is_rebuilt_the_eval_loss_is_near_the_honest_run(noisy, honest):
+    """Within the issue's 10%: the honest stages cleared their AdamW moments on the first plan
+    without the noisy node (`optimizer_moments_reset`; before, the noisy iterations' gradients
+    stayed in the second moments and left eval 13-14% above the honest run)."""
+    resets = {n.name: events(n, "optimizer_moments_reset") for n in noisy["nodes"][:2]}
+    assert all(len(r) == 1 for r in resets.values()), resets
+    assert not events(honest["nodes"][0], "optimizer_moments_reset")
     loss, ref = noisy["eval_loss"], honest["eval_loss"]
-    assert math.isfinite(loss) and abs(loss - ref) <= NOISY_LOSS_BOUND * ref, (loss, ref)
+    assert math.isfinite(loss) and abs(loss - ref) <= LOSS_BOUND * ref, (loss, ref)
 
 
 def test_a_stage_flipping_its_gradients_is_quarantined_and_rebuilt(tmp_path, honest):

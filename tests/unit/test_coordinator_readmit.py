@@ -95,3 +95,36 @@ def test_the_plan_resumes_and_forgets_its_lost_stages_once_every_planned_node_is
     assert coord.reported_down == set() and coord.suspended_since is None
     st = coord.status()
     assert list(st.down_stages) == [] and not st.suspended and not st.hold
+
+
+def test_the_first_plan_without_a_quarantined_node_tells_the_stages_to_clear_their_moments(tmp_path):
+    """`Schedule.reset_moments`: set on the first published plan that leaves every quarantined node
+    out (a plan still naming it would clear the moments while it still feeds them), then off."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from node.netem import NetemConfig
+    from pipeline.config import ScheduleConfig
+    from pipeline.coordinator import ScheduleCoordinator
+    from pipeline.schedule import Schedule
+
+    ctx = SimpleNamespace(config=SimpleNamespace(state_dir=str(tmp_path), run_id="run", netem=NetemConfig()),
+                          card=SimpleNamespace(update=lambda **kw: None))
+    coord = ScheduleCoordinator(ctx, ScheduleConfig(stages=3, mb_per_origin=2), activation_bytes=1)
+    node = lambda peer, s: (peer, s, f"127.0.0.1:{1000 + s}", None, None, None)  # noqa: E731
+    both = [node("d0", 0), node("a1", 1), node("b1", 1), node("s2", 2)]
+
+    def published() -> Schedule:
+        return Schedule.from_json(coord.replies[coord.epoch].schedule_json)
+
+    async def go():
+        await coord._plan(both)
+        assert not published().reset_moments
+        coord._quarantine("a1", 1, "solo_audit@3: outputs differ")
+        await coord._plan(both)                       # planned before the quarantine was seen: still names it
+        assert not published().reset_moments and coord.reset_moments
+        await coord._plan([m for m in both if m[0] != "a1"])
+        assert published().reset_moments and not coord.reset_moments
+        await coord._plan([m for m in both if m[0] != "a1"])
+        assert not published().reset_moments     # once
+    asyncio.run(go())

@@ -585,3 +585,45 @@ def test_a_validation_pass_in_flight_follows_a_newer_schedule_that_drops_a_node_
     ref = StageSet.build(CFG, SEED, S)
     x, y = origin.evaluator.data[0]
     assert len(res) == 1 and res[0].loss == pytest.approx(float(lm_loss(ref.logits(x, (0, 1, 2, 3)), y)), abs=1e-5)
+
+
+def test_the_first_step_on_a_plan_made_after_a_quarantine_clears_adamw_moments_on_every_replica_alike():
+    """`Schedule.reset_moments`: every node clears its AdamW moments before its first step on that
+    epoch, once; replicas stay bit-identical; a later step on the same epoch keeps its moments."""
+    import dataclasses
+
+    sched = _skip_schedule()
+    nodes = {}
+    for s, group in enumerate(sched.partitions):
+        for x in group:
+            mod = build_stage(CFG, SEED, s, S)
+            ex = StageExecutor(sched.names[x], s, mod, torch.optim.AdamW(mod.parameters(), lr=1e-2), memory=3,
+                               clip=CLIP, data=_data(x) if s == 0 else None)
+            ex.add_schedule(sched)
+            nodes[sched.names[x]] = ex
+
+    def steps() -> set[float]:
+        return {float(st["step"]) for ex in nodes.values() for st in ex.opt.state.values()}
+
+    def results() -> list[StepResult]:
+        out = [e for ex in nodes.values() for e in ex.events if isinstance(e, StepResult)]
+        for ex in nodes.values():
+            ex.events.clear()
+        return out
+
+    for _ in range(3):
+        _run_iteration(nodes, sched)
+    assert steps() == {3.0} and not any(r.moments_reset for r in results())
+    flagged = dataclasses.replace(sched, epoch=sched.epoch + 1, reset_moments=True)
+    assert Schedule.from_json(flagged.to_json()).reset_moments and not Schedule.from_json(sched.to_json()).reset_moments
+    for ex in nodes.values():
+        ex.add_schedule(flagged)
+    _run_iteration(nodes, sched)          # runs on the old epoch; its step tells every node the new one
+    assert steps() == {4.0} and not any(r.moments_reset for r in results())
+    _run_iteration(nodes, flagged)        # the first step on the flagged epoch: cleared, then one step
+    first = results()
+    assert steps() == {1.0} and len(first) == len(nodes) and all(r.moments_reset for r in first)
+    for group in sched.partitions:        # replicas cleared at the same iteration: still bit-identical
+        assert len({weights_sha256(nodes[sched.names[x]].module) for x in group}) == 1
+    _run_iteration(nodes, flagged)        # a later step on the same epoch keeps its moments
+    assert steps() == {2.0} and not any(r.moments_reset for r in results())

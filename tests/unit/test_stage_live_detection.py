@@ -96,9 +96,10 @@ def test_match_evidence_pairs_inputs_outputs_and_gradients_by_path():
 
 
 # ------------------------------------------------------------------ recomputation
-def stage_step(attack: LiveAttack | None = None, microbatches: int = 2):
+def stage_step(attack: LiveAttack | None = None, microbatches: int = 2, reset: bool = False):
     """One honest-or-attacked step of a transformer stage: what its neighbours saw and the
-    AdamW states before and after (as a node serves them)."""
+    AdamW states before and after (as a node serves them). `reset`: the moments are cleared before
+    the step, as on the first step of a plan made after a quarantine (`Schedule.reset_moments`)."""
     torch.manual_seed(0)
     mod = build_stage(CFG, 0, 1, 3)
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
@@ -110,6 +111,8 @@ def stage_step(attack: LiveAttack | None = None, microbatches: int = 2):
                      for k, v in opt.state[p].items()}
     weights = {n: p.detach().clone() for n, p in mod.named_parameters()}
     before = state()
+    if reset:
+        opt.state.clear()
     samples = []
     for _ in range(microbatches):
         x = torch.randn(2, 8, CFG.d_model, requires_grad=True)
@@ -141,6 +144,15 @@ def test_noise_on_the_activations_is_caught():
     # below the tolerance it passes: the knob's scale is relative to the activations' RMS
     weights, samples, stepped = stage_step(LiveAttack(noise=FORWARD_RTOL / 4))
     assert replay_outputs(build_stage(CFG, 1, 1, 3), weights, samples, stepped)[0] is True
+
+
+def test_the_step_after_the_moments_were_cleared_is_audited_like_any_other():
+    weights, samples, stepped = stage_step(reset=True)
+    ok, why = replay_outputs(build_stage(CFG, 1, 1, 3), weights, samples, stepped)
+    assert ok is True and "gradient cosine 1.0000" in why, why
+    weights, samples, stepped = stage_step(LiveAttack(grad_flip="params"), reset=True)
+    ok, why = replay_outputs(build_stage(CFG, 1, 1, 3), weights, samples, stepped)
+    assert ok is False and "gradient it stepped on has cosine -1" in why, why
 
 
 def test_a_flipped_parameter_gradient_is_caught_though_its_step_replays():
