@@ -58,7 +58,7 @@ from pipeline.stage_admission import StageAdmission
 from pipeline.stage_liveness import LivenessProbe, pick_vacancy, readmit_returned, stage_replicas
 from pipeline.stage_probe import ProbeSpec
 from pipeline.simulator import iteration_period
-from pipeline.replica_audits import (ReplicaAudits, StageAuditSpec, commit_disagreements, parse_commit,
+from pipeline.replica_audits import (REPLICA_COMMIT, ReplicaAudits, StageAuditSpec, commit_disagreements, parse_commit,
                                      parse_commits)
 from pipeline import stage_metrics as M
 from protocol import pipeline_pb2, pipeline_pb2_grpc
@@ -147,7 +147,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
         self.incarnations: dict[str, float] = {}         # peer ID -> its card's started_at (the plan records it)
-        self.reset_moments = False   # a quarantine since the last plan: the next plan without it clears AdamW moments
+        self.reset_moments = False   # a stage's only node quarantined: the next plan without it clears AdamW moments
         self.admission = None if probe is None else StageAdmission(ctx, probe, cfg.probe_timeout_s, cfg.stall_s)
         self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
                                                                 self._quarantine)
@@ -344,7 +344,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         if peer in self.quarantined:
             return
         self.quarantined[peer] = why
-        self.reset_moments = True    # what it sent is in every stage's AdamW moments (Schedule.reset_moments)
+        if not why.startswith(REPLICA_COMMIT):
+            # it carried its stage alone: what it sent is in every stage's AdamW moments (Schedule.reset_moments)
+            self.reset_moments = True
         if self.audits is not None:
             self.audits.forget(peer)
         M.QUARANTINED.set(len(self.quarantined))

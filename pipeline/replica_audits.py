@@ -52,6 +52,9 @@ EPOCHS_KEPT = 16
 """Schedule epochs whose replica counts are remembered (an audited iteration is a few epochs old at most)."""
 REFUSED = ("PERMISSION_DENIED", "UNAUTHENTICATED")
 """Statuses of a download refused by the audited node's call guard (not a race: the audit cannot run)."""
+REPLICA_COMMIT = "replica_commit"
+"""The quarantine reason of a replica whose weights left its twins' (the reason string starts with it):
+its twin carried the same stage honestly, so the coordinator keeps the optimizers' moments for it."""
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,7 @@ class ReplicaAudits:
         good = self.commits.get(passed[0], {}).get(it, "")
         for peer, (_, why, t) in failed.items():
             count_flags([compare_commits(peer, t, good, self.commits.get(peer, {}).get(it, "?"))])
-            self.quarantine(peer, stage, f"replica_commit@{t}: {why}")
+            self.quarantine(peer, stage, f"{REPLICA_COMMIT}@{t}: {why}")
 
     async def audit_one(self, stage: int, m: tuple) -> tuple[bool, str, int]:
         """(replays, why, iteration) for one replica."""
@@ -455,5 +458,5 @@ class ReplicaAudits:
             self._publish()
 
 
-__all__ = ["COMMITS_KEPT", "EPOCHS_KEPT", "INCONCLUSIVE_ALERT_AFTER", "ReplicaAudits", "StageAuditSpec", "commit_disagreements",
+__all__ = ["COMMITS_KEPT", "EPOCHS_KEPT", "INCONCLUSIVE_ALERT_AFTER", "REPLICA_COMMIT", "ReplicaAudits", "StageAuditSpec", "commit_disagreements",
            "Matched", "match_evidence", "parse_commit", "parse_commits", "refused"]

@@ -99,7 +99,8 @@ def test_the_plan_resumes_and_forgets_its_lost_stages_once_every_planned_node_is
 
 def test_the_first_plan_without_a_quarantined_node_tells_the_stages_to_clear_their_moments(tmp_path):
     """`Schedule.reset_moments`: set on the first published plan that leaves every quarantined node
-    out (a plan still naming it would clear the moments while it still feeds them), then off."""
+    out (a plan still naming it would clear the moments while it still feeds them), then off; not
+    for a replica quarantined for its weight commit (its twin carried the stage)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -127,4 +128,9 @@ def test_the_first_plan_without_a_quarantined_node_tells_the_stages_to_clear_the
         assert published().reset_moments and not coord.reset_moments
         await coord._plan([m for m in both if m[0] != "a1"])
         assert not published().reset_moments     # once
+        # a replica whose weights left its twin's: the twin carried the stage, the moments stay
+        coord._quarantine("b1", 1, "replica_commit@9: weights differ from its replica's")
+        assert not coord.reset_moments
+        await coord._plan([m for m in both if m[0] not in ("a1", "b1")])
+        assert not published().reset_moments
     asyncio.run(go())
