@@ -225,6 +225,15 @@ class NoLoCoConfig(BaseModel):
     it (1: the pull of an honest partner whose moves had nothing in common with ours) to bound
     harder; None turns the cut off (only the norm clip)."""
 
+    robust_redescend: float | None = Field(2.0, ge=1)
+    """A partner farther than this many radii keeps a contribution of ``k * radius**2 / distance``
+    (``k`` this value) instead of the radius: its influence shrinks again the farther it is
+    (docs/noloco.md, 'Robust averaging'). The most one partner moves us stays ``radius / 2`` (at
+    exactly ``k`` radii). It keeps a far attacker's victims near the swarm, so their honest
+    partners need not clip them in turn. Raise it (or None: a plain clip) only if stragglers far
+    behind must be pulled in faster by their partners' exchanges; honest partners of a running
+    swarm are never 2 radii away."""
+
     robust_window: int = Field(16, ge=1)
     """Recent partner distances (one per averaged round) whose median sets the radius, and the
     rounds with one partner over which its hard clips are counted."""

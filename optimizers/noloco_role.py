@@ -104,7 +104,7 @@ class NoLoCoRole(TrainingRole):
             bounds=TensorBounds(self.cfg.max_norm_ratio, self.cfg.max_distance_ratio, self.cfg.bound_floor_rms),
             robust=(None if self.cfg.robust == "off" else
                     PartnerClip(self.cfg.robust_multiplier, self.cfg.robust_window, strikes=self.cfg.robust_strikes,
-                                backward=self.cfg.robust_backward)),
+                                backward=self.cfg.robust_backward, redescend=self.cfg.robust_redescend)),
             on_clip=self._on_clip, codec=self.engine.codec,
             share=(None if self.cfg.robust == "off" or self.cfg.robust_share is None else
                    PartnerShare(self.cfg.robust_share, self.cfg.robust_window)))

@@ -224,8 +224,8 @@ def test_in_bound_poison_is_clipped_and_charged_and_readyz_stays_ready(swarm, tm
     2.5x each tensor's RMS added: RMS ratios 2.7 (bound 6), distance 2.5x our norm (bound 3x), so
     the exchange accepts it. Without robust averaging the outer step it causes moves phi by ~85%
     of its norm and is rolled back (the behaviour before ``noloco.robust``); with the clip (the
-    default) the worker pulls the poison in to the radius its honest partners set (a hard clip,
-    factor far below 0.5), so the outer step stays small: nothing to roll back, /readyz stays
+    default) the worker pulls the poison in to within the radius its honest partners set (a hard
+    clip, factor far below 0.5), so the outer step stays small: nothing to roll back, /readyz stays
     ready the whole time, eval loss holds, and after ``robust_strikes`` (3) hard clips the
     partner is charged (``partner_charged`` reason ``clipped``,
     ``swarmnode_outer_partners_charged_clipped_total``) and
@@ -266,10 +266,10 @@ def test_in_bound_poison_is_clipped_and_charged_and_readyz_stays_ready(swarm, tm
         probe.stop()
     assert any(r.outcome == "ok" for r in attacker.results), "the poison never passed the exchange bounds"
     clips = _clips(swarm, attacker.peer_id)
-    # pulled in to the radius (the factor is radius / distance: 0.09-0.19 seen, by how far the
-    # workers' own moves went under the machine's load), a hard clip every time
-    assert len(clips) >= 3 and all(c["hard"] and c["factor"] == pytest.approx(c["radius"] / c["distance"], abs=2e-4)
-                                   for c in clips), \
+    # 5-11 radii away (by how far the workers' own moves went under the machine's load), so past
+    # the 2 radii where the clip redescends: the factor is 2 * (radius / distance)**2, a hard clip every time
+    assert len(clips) >= 3 and all(c["hard"] and c["distance"] > 2 * c["radius"] and c["factor"] == pytest.approx(
+        2 * (c["radius"] / c["distance"]) ** 2, abs=2e-4) for c in clips), \
         [(c["factor"], c["hard"], c.get("pulled_back"), c["distance"], c["radius"]) for c in clips]
     assert hard() >= hard0 + 3
     assert sum(metric(w, "swarmnode_outer_partners_charged_clipped_total") for w in swarm.workers) >= charged0 + 1

@@ -31,7 +31,7 @@ def test_crafted_numbers():
     ours = [torch.tensor([0.0, 0.0]), torch.tensor([1.0])]
     theirs = [torch.tensor([3.0, 0.0]), torch.tensor([5.0])]  # difference (3, 0, 4): distance 5
     assert distance(ours, theirs) == 5.0
-    clip = PartnerClip(multiplier=2.0, window=4)
+    clip = PartnerClip(multiplier=2.0, window=4, redescend=None)  # the plain clip (ClippedGossip)
     clip.history.extend([0.5, 1.0, 2.0])  # median 1.0 -> radius 2 * max(1.0, 0.25) = 2.0
     assert clip.radius(0.25) == 2.0
     v = clip.clip(ours, theirs, own_move=0.25, peer="p")
@@ -43,6 +43,42 @@ def test_crafted_numbers():
     # own move dominates an empty or small history (the warm-up rule)
     assert PartnerClip(multiplier=3.0).radius(0.5) == 1.5
     assert clip_factor(0.0, 0.0) == 1.0 and clip_factor(math.inf, 1.0) == 0.0
+
+
+def test_redescending_clip_crafted_numbers():
+    """Past k = 2 radii the kept contribution is k * radius**2 / distance: the same partner as
+    above (distance 5, radius 2) moves the mean 0.8, not 1.0; continuous at 2 radii; no
+    change within them."""
+    ours = [torch.tensor([0.0, 0.0]), torch.tensor([1.0])]
+    theirs = [torch.tensor([3.0, 0.0]), torch.tensor([5.0])]
+    clip = PartnerClip(multiplier=2.0, window=4)                 # redescend 2 by default
+    clip.history.extend([0.5, 1.0, 2.0])
+    v = clip.clip(ours, theirs, own_move=0.25, peer="p")
+    assert v.factor == pytest.approx(2 * (2.0 / 5.0) ** 2) and v.hard  # 0.32: length 1.6
+    assert torch.allclose(v.tensors[0], torch.tensor([0.96, 0.0])) and torch.allclose(v.tensors[1], torch.tensor([2.28]))
+    assert distance(ours, _mean(ours, v.tensors)) == pytest.approx(0.8)
+    assert clip_factor(4.0, 2.0, 2.0) == clip_factor(4.0, 2.0) == 0.5                  # continuous at k radii
+    assert clip_factor(3.0, 2.0, 2.0) == clip_factor(3.0, 2.0) == pytest.approx(2 / 3)  # a plain clip inside
+    assert clip_factor(1.5, 2.0, 2.0) == 1.0 and clip_factor(math.inf, 2.0, 2.0) == 0.0
+    with pytest.raises(ValueError, match="redescend"):
+        PartnerClip(redescend=0.5)
+
+
+def test_a_far_partner_moves_its_victim_less_the_farther_it_is():
+    """The influence (how far one exchange moves us) peaks at the radius / 2 at k radii and falls
+    beyond, where a plain clip keeps it at radius / 2 however far the partner sits."""
+    ours = [torch.zeros(16)]
+    moved = {}
+    for d in (1.0, 4.0, 8.0, 16.0, 64.0):
+        theirs = [torch.full((16,), d / 4.0)]                       # distance d
+        for k in (None, 2.0):
+            v = PartnerClip(multiplier=2.0, redescend=k).clip(ours, theirs, own_move=1.0)  # radius 2
+            moved[d, k] = distance(ours, _mean(ours, v.tensors))
+    assert moved[1.0, 2.0] == pytest.approx(0.5) and moved[4.0, 2.0] == pytest.approx(1.0)
+    for d in (8.0, 16.0, 64.0):
+        assert moved[d, None] == pytest.approx(1.0)                 # plain: radius / 2
+        assert moved[d, 2.0] == pytest.approx(4.0 / d)              # k * radius**2 / d / 2
+    assert max(moved.values()) <= 1.0 + 1e-6
 
 
 def test_a_partner_met_every_round_cannot_walk_the_radius_up():
