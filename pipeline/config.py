@@ -88,7 +88,10 @@ class ScheduleConfig(BaseModel):
     """The coordinator plans only once this many stage nodes (stage 0 included) publish cards
     (0 = as soon as every stage has a node). Set it to the swarm's size so the first schedule
     already uses every replica instead of re-planning as each one arrives. Only the first plan
-    waits for it: after a lost stage the coordinator re-plans over whoever is live."""
+    waits for it: after a lost stage the coordinator re-plans over whoever is live. Read by the
+    coordinator (the bootstrap), not by the stage nodes: set it there. A node that misses the
+    first plan and is still at its initial weights once the pipeline is past iteration 2 is not
+    planned at all (`stage_node_late`)."""
 
     loss_trend_window: int = Field(5, ge=0)
     """The coordinator watches the data nodes' training loss (pipeline/loss_trend.py): when the

@@ -55,7 +55,7 @@ from pipeline.loss_trend import LossTrend
 from pipeline.nonfinite_watch import NonfiniteWatch
 from pipeline.stage_evidence import parse_nonfinite
 from pipeline.stage_admission import StageAdmission
-from pipeline.stage_liveness import LivenessProbe, pick_vacancy, readmit_returned, stage_replicas
+from pipeline.stage_liveness import LivenessProbe, hold_back_late, pick_vacancy, readmit_returned, stage_replicas
 from pipeline.stage_probe import ProbeSpec
 from pipeline.simulator import iteration_period
 from pipeline.replica_audits import (REPLICA_COMMIT, ReplicaAudits, StageAuditSpec, commit_disagreements, parse_commit,
@@ -147,6 +147,8 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
         self.ctx, self.cfg, self.activation_bytes, self.poll_s = ctx, cfg, activation_bytes, poll_s
         self.quarantined: dict[str, str] = {}            # peer ID -> why (left out of every later plan)
         self.incarnations: dict[str, float] = {}         # peer ID -> its card's started_at (the plan records it)
+        self.planned_ever: set[str] = set()              # every node a plan of this coordinator named
+        self.late: set[str] = set()                      # never planned, far behind the pipeline: logged once
         self.reset_moments = False   # a stage's only node quarantined: the next plan without it clears AdamW moments
         self.admission = None if probe is None else StageAdmission(ctx, probe, cfg.probe_timeout_s, cfg.stall_s)
         self.audits = None if audit is None else ReplicaAudits(ctx, audit, cfg.solo_audit_every_s, cfg.stages,
@@ -221,8 +223,9 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
                 if self.scheduled:
                     planned_ids = {m[0] for m in self.scheduled}
                     await self.probe.probe([m for m in members if m[0] in planned_ids], loop.time())
-                members = readmit_returned(self.probe, members, self.quarantined, loop.time(),
-                                           {v.peer_id: (card_int(v, "iteration"), v.card.started_at) for v in views})
+                cards = {v.peer_id: (card_int(v, "iteration"), v.card.started_at) for v in views}
+                members = readmit_returned(self.probe, members, self.quarantined, loop.time(), cards)
+                members = hold_back_late(members, self.planned_ever, {p: c[0] for p, c in cards.items()}, self.late)
                 self.incarnations = {v.peer_id: v.card.started_at for v in views}
                 if self.probe.restarted:      # the iteration in flight died with it: a new epoch restarts it
                     self.probe.restarted.clear()
@@ -302,6 +305,7 @@ class ScheduleCoordinator(pipeline_pb2_grpc.ScheduleServicer):
             if not self.active:
                 return
         self.scheduled = list(members)
+        self.planned_ever.update(m[0] for m in members)
         if self.admission is not None:
             self.admission.reset(asyncio.get_running_loop().time())
         for st, n in stage_replicas(members, self.cfg.stages).items():

@@ -177,5 +177,33 @@ def readmit_returned(probe: LivenessProbe, members: list[tuple], quarantined, no
     return live
 
 
-__all__ = ["DOWN_AFTER", "PROBE_TIMEOUT_S", "STALE_SLACK", "LivenessProbe", "pick_vacancy", "readmit_returned",
-           "stage_replicas"]
+def hold_back_late(members: list[tuple], planned: set[str], its: dict[str, int | None], held: set[str]) -> list[tuple]:
+    """The members less those never planned that still hold their initial weights (card iteration
+    0) while the planned ones are more than STALE_SLACK iterations on: a node started with
+    `stage.index` beside a running pipeline whose stage has live nodes builds the stage at
+    iteration 0, and planned as a replica it stalled every iteration after (its neighbours waited
+    for its messages of iteration 27 while it waited at 0). Such a node is not planned
+    (`stage_node_late`, once per node, in `held`). `planned`: every node this coordinator has
+    planned; after a takeover (empty) the whole membership is the reference. A rebuilt replacement
+    or a hot spare reports the iteration it copied (it re-syncs at the one it is asked to run), so
+    it is never held back."""
+    ref = [m for m in members if m[0] in planned] or members
+    run_it = max((its.get(m[0]) or 0 for m in ref), default=0)
+    out = []
+    for m in members:
+        it = its.get(m[0]) or 0
+        if m[0] not in planned and it == 0 and run_it > STALE_SLACK:
+            if m[0] not in held:
+                held.add(m[0])
+                emit(log, "stage_node_late", "stage {stage} node {peer} joined at iteration {iteration} while the "
+                     "pipeline is at {run_iteration}: it is not planned (its initial weights would stall every "
+                     "iteration); to add a node to a running pipeline start it with stage.checkfree.recover=true "
+                     "and stage.checkfree.standby=true (a hot spare: it copies a live replica when a stage loses one)",
+                     level=logging.WARNING, stage=m[1], peer=m[0][:16], iteration=it, run_iteration=run_it)
+            continue
+        out.append(m)
+    return out
+
+
+__all__ = ["DOWN_AFTER", "PROBE_TIMEOUT_S", "STALE_SLACK", "LivenessProbe", "hold_back_late", "pick_vacancy",
+           "readmit_returned", "stage_replicas"]

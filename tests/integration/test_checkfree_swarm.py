@@ -78,10 +78,10 @@ def run_failure(tmp_path, layout: list[int], victim: int, plus: bool, rule: str,
     stages = max(layout) + 1
     t0 = time.monotonic()
     with LocalSwarm(run_id="cf", common_set=settings(stages, plus), workdir=tmp_path) as swarm:
-        boot = swarm.start("bootstrap", name="bootstrap")
+        # the coordinator's first plan waits for every node (expect_nodes is the bootstrap's setting)
+        boot = swarm.start("bootstrap", name="bootstrap", extra_set=[f"schedule.expect_nodes={len(layout)}"])
         swarm.wait_ready([boot], timeout=60)
-        nodes = [swarm.start("stage", name=f"s{s}-{i}", extra_set=[f"stage.index={s}",
-                                                                   f"schedule.expect_nodes={len(layout)}"])
+        nodes = [swarm.start("stage", name=f"s{s}-{i}", extra_set=[f"stage.index={s}"])
                  for i, s in enumerate(layout)]
         spare = (swarm.start("stage", name="replacement", extra_set=["stage.checkfree.recover=true",
                                                                      "stage.checkfree.standby=true"])
@@ -205,11 +205,10 @@ def test_two_adjacent_lost_stages_are_reported_and_restored_from_checkpoints(tmp
     ckpt = tmp_path / "ckpt"
     extra = [f"stage.checkpoint_dir={ckpt}", "stage.checkpoint_every=7"]
     with LocalSwarm(run_id="cf", common_set=[*settings(5, False), *extra], workdir=tmp_path) as swarm:
-        boot = swarm.start("bootstrap", name="bootstrap")
+        boot = swarm.start("bootstrap", name="bootstrap", extra_set=["schedule.expect_nodes=5"])
         swarm.wait_ready([boot], timeout=60)
         layout = [0, 1, 2, 3, 4]
-        nodes = [swarm.start("stage", name=f"s{s}", extra_set=[f"stage.index={s}", "schedule.expect_nodes=5"])
-                 for s in layout]
+        nodes = [swarm.start("stage", name=f"s{s}", extra_set=[f"stage.index={s}"]) for s in layout]
         spares = [swarm.start("stage", name=name, extra_set=["stage.checkfree.recover=true",
                                                              "stage.checkfree.standby=true"])
                   for name in ("spare", "second")]
@@ -248,10 +247,10 @@ def test_a_replacement_copies_a_surviving_replica_and_matches_it_bit_for_bit(tmp
     asked to run, and from then on publishes the same weight hash as the survivor every step."""
     long_run = [*settings(4, False), "stage.iterations=0"]        # until stopped: the copy joins a running swarm
     with LocalSwarm(run_id="cf", common_set=long_run, workdir=tmp_path) as swarm:
-        boot = swarm.start("bootstrap", name="bootstrap")
+        boot = swarm.start("bootstrap", name="bootstrap", extra_set=["schedule.expect_nodes=5"])
         swarm.wait_ready([boot], timeout=60)
         layout = [0, 1, 2, 2, 3]
-        nodes = [swarm.start("stage", name=f"s{s}-{i}", extra_set=[f"stage.index={s}", "schedule.expect_nodes=5"])
+        nodes = [swarm.start("stage", name=f"s{s}-{i}", extra_set=[f"stage.index={s}"])
                  for i, s in enumerate(layout)]
         deadline = time.monotonic() + DEADLINE_S
         _wait_iteration(nodes[0], KILL_AT, deadline)
@@ -282,3 +281,31 @@ def test_a_replacement_copies_a_surviving_replica_and_matches_it_bit_for_bit(tmp
     resync = events(repl, "replica_resync")
     print(f"replica copy: joined at {rec['iteration']}, re-synced at {[e['iteration'] for e in resync]}, "
           f"stepped {len(mine)} iterations in lockstep with the survivor")
+
+
+def test_a_new_node_started_beside_a_running_pipeline_is_held_back_and_the_run_goes_on(tmp_path):
+    """A node started with `stage.index` after the run began builds its stage at iteration 0; seen
+    under load (replicas admitted after the first plan), planning it as a replica stalled every
+    iteration after. The coordinator leaves it out (`stage_node_late`, with what to do instead)
+    and the pipeline trains on without it."""
+    long_run = [*settings(3, False), "stage.iterations=0"]      # until stopped: the late node must find it running
+    with LocalSwarm(run_id="cf", common_set=long_run, workdir=tmp_path) as swarm:
+        boot = swarm.start("bootstrap", name="bootstrap", extra_set=["schedule.expect_nodes=3"])
+        swarm.wait_ready([boot], timeout=60)
+        nodes = [swarm.start("stage", name=f"s{s}", extra_set=[f"stage.index={s}"]) for s in range(3)]
+        deadline = time.monotonic() + DEADLINE_S
+        _wait_iteration(nodes[0], 10, deadline)
+        late = swarm.start("stage", name="late", extra_set=["stage.index=1"])
+        while not events(boot, "stage_node_late"):      # its card (stage 1, iteration 0) is seen and held back
+            assert time.monotonic() < deadline and all(n.alive() for n in nodes), "the late node was never held back"
+            time.sleep(0.5)
+        held = events(boot, "stage_node_late")
+        assert late.peer_id.startswith(held[0]["peer"]) and held[0]["iteration"] == 0 and held[0]["run_iteration"] > 2, held
+        at = max(e["iteration"] for e in events(nodes[1], "stage_step"))
+        _wait_iteration(nodes[1], at + 20, deadline)      # the pipeline goes on (planned, it stalled here)
+        assert late.alive() and events(late, "stage_started")   # it built its stage and waits, never planned
+        for e in events(boot, "schedule_published"):
+            assert late.peer_id not in e["schedule"]["names"], e["epoch"]
+        assert len(events(boot, "stage_node_late")) == 1     # said once
+        steps = [e["iteration"] for e in events(nodes[1], "stage_step")]
+        assert steps == list(range(len(steps))), steps[-5:]

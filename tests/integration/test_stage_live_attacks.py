@@ -63,10 +63,10 @@ def run_pipeline(workdir, attacker: int | None = None, attack: tuple[str, ...] =
     the honest nodes to finish and returns the bootstrap, nodes, spare, metrics and final eval."""
     t0 = time.monotonic()
     with LocalSwarm(run_id="live", common_set=settings(solo_audit_s), workdir=workdir) as swarm:
-        boot = swarm.start("bootstrap", name="bootstrap")
+        boot = swarm.start("bootstrap", name="bootstrap", extra_set=[f"schedule.expect_nodes={STAGES}"])
         swarm.wait_ready([boot], timeout=60)
         nodes = [swarm.start("stage", name=f"s{s}", extra_set=[
-            f"stage.index={s}", f"schedule.expect_nodes={STAGES}", *(attack if s == attacker else ())])
+            f"stage.index={s}", *(attack if s == attacker else ())])
             for s in range(STAGES)]
         spare = swarm.start("stage", name="spare", extra_set=["stage.checkfree.recover=true", "stage.checkfree.allow_edge_copy=true",
                                                               "stage.checkfree.standby=true"])

@@ -59,6 +59,34 @@ def test_a_node_that_came_back_far_behind_is_not_planned_and_said_so_once(caplog
     assert "peer-s2" not in p.down and not p.stale and p.restarted == {"peer-s2"}
 
 
+def test_a_new_node_at_its_initial_weights_beside_a_running_pipeline_is_not_planned(caplog):
+    """Seen under load: three of six replicas were admitted 2.3 s after the others, planned one
+    epoch later at iteration 0 beside neighbours at 27, and the pipeline stalled on them. A node no
+    plan has named that still holds its initial weights is held back once the run is past
+    STALE_SLACK; the first plan (everyone at 0), nodes already planned and a replacement that copied
+    a live replica (it reports that iteration, and re-syncs) are not."""
+    from pipeline.stage_liveness import STALE_SLACK, hold_back_late
+    caplog.set_level("WARNING", logger="swarmnode.pipeline.coordinator")
+    held: set[str] = set()
+    everyone = [S0, S1, S2, NEW2]
+    assert hold_back_late(everyone, set(), {p[0]: 0 for p in everyone}, held) == everyone   # the first plan
+    planned = {"peer-s0", "peer-s1", "peer-s2"}
+    its = {"peer-s0": 27, "peer-s1": 27, "peer-s2": 27, "peer-new2": 0}
+    for _ in range(3):
+        assert hold_back_late(everyone, planned, its, held) == [S0, S1, S2]
+    late = [r for r in caplog.records if getattr(r, "event", None) == "stage_node_late"]
+    assert len(late) == 1 and "iteration 0" in late[0].getMessage() and "standby=true" in late[0].getMessage()
+    assert hold_back_late(everyone, planned, {**its, "peer-new2": None}, held) == [S0, S1, S2]   # no iteration yet
+    # within the slack (the run has just begun): planned
+    assert hold_back_late(everyone, planned, {p: min(v, STALE_SLACK) for p, v in its.items()}, set()) == everyone
+    # a replacement that copied a live replica at 24: planned, it re-syncs at the iteration it is asked to run
+    assert hold_back_late(everyone, planned, {**its, "peer-new2": 24}, set()) == everyone
+    # a node that was planned before (a restarted one is readmit_returned's business): not held here
+    assert hold_back_late(everyone, planned | {"peer-new2"}, its, set()) == everyone
+    # after a takeover (this coordinator planned nobody yet) the membership is the reference
+    assert hold_back_late(everyone, set(), its, set()) == [S0, S1, S2]
+
+
 def test_a_frozen_node_is_readmitted_as_the_same_process_and_the_plan_resumes():
     p = LivenessProbe()
     cards = {"peer-s0": (12, 1.0), "peer-s1": (12, 1.0), "peer-s2": (12, 5.0)}
