@@ -80,7 +80,7 @@ def param_spec(module: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...
 
 
 def optimizer_spec(module: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The AdamW state tensors a stage snapshot serves (pipeline/stage_exec.py `snapshot`)."""
+    """The AdamW state tensors a stage snapshot serves (pipeline/stage_state.py `host_adam_state`)."""
     out = {}
     for n, p in module.named_parameters():
         out.update({f"{n}.exp_avg": (torch.float32, tuple(p.shape)), f"{n}.exp_avg_sq": (torch.float32, tuple(p.shape)),

@@ -50,6 +50,7 @@ from node.averaging import mean_of
 from pipeline.schedule import Schedule
 from pipeline.stage_eval import EvalResult, InOrderEval
 from pipeline.stage_msgs import BadInput, Msg, OriginDone, Out, StepResult, as_hidden, placeholder, weights_sha256
+from pipeline.stage_state import host_adam_state, host_weights
 
 FUTURE_ITERATIONS = 2
 """Messages at most this many iterations ahead are kept for later; further ones are dropped."""
@@ -591,13 +592,7 @@ class StageExecutor:
                 "grad_norm_clipped": last.grad_norm_clipped if last else float("nan"),
                 "weights_sha256": last.weights_sha256 if last else weights_sha256(self.module),
                 "lr": self.last_lr}
-        weights = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.module.named_parameters()}
-        opt: dict[str, Tensor] = {}
-        for n, p in self.module.named_parameters():
-            for key, value in self.opt.state.get(p, {}).items():
-                if isinstance(value, Tensor):
-                    opt[f"{n}.{key}"] = value.detach().to("cpu", torch.float32, copy=True).reshape(value.shape)
-        return meta, weights, opt
+        return meta, host_weights(self.module), host_adam_state(self.module, self.opt)
 
 
 __all__ = ["Aborted", "BadInput", "EvalResult", "Msg", "OriginDone", "Out", "StageExecutor", "StepResult", "weights_sha256"]
