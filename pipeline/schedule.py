@@ -60,8 +60,10 @@ class Schedule:
     held of it died with the old process, so the iteration is aborted like one that lost a node.
     Any coordinator sets it from the cards, so this holds across a takeover too."""
     reset_moments: bool = False
-    """Set on the first plan the coordinator publishes after it quarantined a node: every stage
-    node clears its AdamW moments before its first step on this epoch (`stage_exec.py`). The
+    """Set on the first plan the coordinator publishes without a quarantined node that carried its
+    stage alone (a failed solo audit, non-finite outputs; not a replica caught by its weight
+    commit, whose twin carried the stage): every stage node clears its AdamW moments before its
+    first step on this epoch (`stage_exec.py`). The
     quarantined node's outputs or gradients went into every stage's gradients until then, and
     AdamW's second moment averages them for about 1 / (1 - beta2) steps: 6 iterations of a noisy
     stage's gradients kept the honest stages stepping at a fraction of their LR for the rest of a
