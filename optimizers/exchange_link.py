@@ -234,6 +234,7 @@ class ExchangeLink:
                  round=st.round, short=(peer or "?")[:16], peer=peer, factor=round(v.factor, 4),
                  distance=round(v.distance, 6), radius=round(v.radius, 6), hard=v.hard,
                  pulled_back=round(v.pulled_back, 4),
+                 cut_distance=None if v.cut_distance is None else round(v.cut_distance, 6),
                  hard_count=self.robust.hard_count(peer) if peer else None)
         if v.charge:  # counted by on_clip (swarmnode_outer_partners_charged_clipped_total)
             self.charge(peer, "clipped", v.charges)

@@ -172,7 +172,8 @@ def centered_clip(parts: Sequence[Sequence[Tensor]], center: Sequence[Tensor], r
 @dataclass(frozen=True)
 class ClipVerdict:
     factor: float
-    """min(1, radius / distance): 1.0 means the contribution was used as sent."""
+    """The share of the sent difference used (1.0: the contribution as sent): the norm clip's
+    factor (``clip_factor`` of ``cut_distance``) times ``cut_distance / distance``."""
     distance: float
     radius: float
     tensors: list[Tensor]
@@ -187,6 +188,9 @@ class ClipVerdict:
     pulled_back: float = 0.0
     """The sent difference's component against our own move, in own moves (bounded to
     ``backward`` before the norm clip; 0 without an origin)."""
+    cut_distance: float | None = None
+    """The distance after the backward cut, when it cut (``pulled_back`` > ``backward``): the
+    norm clip judged this one; None when nothing was cut (it judged ``distance``)."""
 
 
 class PartnerClip:
@@ -260,7 +264,8 @@ class PartnerClip:
             if len(self.charged) > 4096:
                 for p, _ in sorted(self.charged.items(), key=lambda kv: kv[1])[:1024]:
                     del self.charged[p]
-        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, norm), hard, charge, charges, pulled)
+        return ClipVerdict(factor, d, tau, clip_toward(ours, theirs, norm), hard, charge, charges, pulled,
+                           d_cut if cut else None)
 
     def outside(self, ours: Sequence[Tensor], theirs: Sequence[Tensor], own_move: float,
                 origin: Sequence[Tensor] | None = None) -> str | None:

@@ -3,7 +3,9 @@
 On a real network the flooder's CPU is not its victims'. On the test machine (2 cores shared by
 the whole swarm) the flooder's own gRPC client would take CPU from the workers, and the pace
 the test measures would partly be the attacker's load generator. So it runs here, under
-``nice 19``, and the workers' pace shows what the node's defenses cost them.
+``nice 10`` (a tenth of a worker's CPU share when the machine is full; at 19 it got under
+2% and, with other load on the machine, sent barely over the limit), and the workers' pace
+shows what the node's defenses cost them.
 
     python -m tests.integration.flooder KEY_FILE RUN_ID HOST:PORT TARGET_PEER_ID RATE WINDOW_S
 
@@ -90,7 +92,7 @@ async def flood(signer: CallSigner, addr: str, target: str, rate: float, window:
 
 def main(argv: list[str]) -> int:
     key_file, run_id, addr, target, rate, window = argv
-    os.nice(19)
+    os.nice(10)
     signer = CallSigner(load_key_file(key_file), run_id)
     print(json.dumps(asyncio.run(flood(signer, addr, target, float(rate), float(window)))), flush=True)
     return 0

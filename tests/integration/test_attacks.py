@@ -132,7 +132,7 @@ def test_absurd_round_in_a_self_signed_card_is_never_adopted(swarm, tmp_path):
     try:
         cfg_hash = attacker.worker_cfg_hash(swarm.workers)
         before = rounds(swarm)
-        assert attacker.run(attacker.publish_card(ABSURD_ROUND, cfg_hash)), "the DHT refused the forged card"
+        assert attacker.store_card(ABSURD_ROUND, cfg_hash), "the DHT refused the forged card"
         # the card provably is in the DHT (well-signed by its own writer: it passes the validator)
         wait_for(lambda: any(v.peer_id == attacker.peer_id and v.card.details.get("round") == ABSURD_ROUND
                              for v in attacker.run(attacker.cards())), 20, "the forged card in the DHT")
@@ -246,7 +246,7 @@ def test_in_bound_poison_is_clipped_and_charged_and_readyz_stays_ready(swarm, tm
     try:
         cfg_hash = attacker.worker_cfg_hash(swarm.workers)
         specs, _ = model_specs(MODEL)
-        assert attacker.run(attacker.publish_card(None, cfg_hash))  # a member may download the state
+        assert attacker.store_card(None, cfg_hash)  # a member may download the state
 
         def download():
             try:
@@ -267,10 +267,18 @@ def test_in_bound_poison_is_clipped_and_charged_and_readyz_stays_ready(swarm, tm
     assert any(r.outcome == "ok" for r in attacker.results), "the poison never passed the exchange bounds"
     clips = _clips(swarm, attacker.peer_id)
     # 5-11 radii away (by how far the workers' own moves went under the machine's load), so past
-    # the 2 radii where the clip redescends: the factor is 2 * (radius / distance)**2, a hard clip every time
-    assert len(clips) >= 3 and all(c["hard"] and c["distance"] > 2 * c["radius"] and c["factor"] == pytest.approx(
-        2 * (c["radius"] / c["distance"]) ** 2, abs=2e-4) for c in clips), \
-        [(c["factor"], c["hard"], c.get("pulled_back"), c["distance"], c["radius"]) for c in clips]
+    # the 2 radii where the clip redescends: the factor is 2 * (radius / distance)**2, a hard clip every
+    # time. Where the noise also pulled the worker back more than 1.5 of its own moves (the backward
+    # cut, noloco.robust_backward; most clips under load, where own moves are small) the norm clip
+    # judged the cut distance: the factor is 2 * radius**2 / (cut distance * distance), below the
+    # radius / distance a plain clip would keep
+    def expected(c):
+        d_cut = c["cut_distance"] or c["distance"]
+        return 2 * c["radius"] ** 2 / (d_cut * c["distance"]) if d_cut > 2 * c["radius"] else c["radius"] / c["distance"]
+    assert len(clips) >= 3 and all(c["hard"] and c["distance"] > 2 * c["radius"] for c in clips) and all(
+        c["factor"] == pytest.approx(expected(c), abs=2e-4) for c in clips), \
+        [(c["factor"], c["hard"], c["pulled_back"], c["cut_distance"], c["distance"], c["radius"]) for c in clips]
+    assert any(c["factor"] < 0.9 * c["radius"] / c["distance"] for c in clips), "the clip did not redescend"
     assert hard() >= hard0 + 3
     assert sum(metric(w, "swarmnode_outer_partners_charged_clipped_total") for w in swarm.workers) >= charged0 + 1
     assert rollbacks() == rolled0, "an outer step was rolled back: the clip should have kept it small"
@@ -386,7 +394,7 @@ def test_strangers_cannot_call_download_or_pair_and_idle_streams_hold_nothing(sw
 
 def test_flooder_is_banned_and_honest_rounds_keep_pace(swarm, tmp_path):
     """A member sends 10x ``limits.peer_rps`` to a worker's Node.Info and keeps re-opening idle
-    Exchange streams for WINDOW seconds (``flooder.py``: its own process at nice 19, so its load
+    Exchange streams for WINDOW seconds (``flooder.py``: its own process at nice 10, so its load
     generator does not take the workers' CPU on this shared 2-core machine, as it would not on a
     network). Honest calls (the bootstrap's key, 4/s, made in the WINDOW before too, so that only
     the flood differs) all succeed within their 2 s deadline, both workers train within 20% of the
@@ -420,10 +428,13 @@ def test_flooder_is_banned_and_honest_rounds_keep_pace(swarm, tmp_path):
         result = json.loads(out.strip().splitlines()[-1])
         sent, codes = result["sent"], result["codes"]
 
-        # 10x the limit asked; at nice 19 on a busy 2-core box it gets less CPU (1055 calls in 20 s seen
-        # under two busy loops): what the test needs is a flood well over the limit
-        assert sent >= PEER_RPS * 2 * window, f"the flooder sent only {sent} calls in {window:.0f} s"
-        assert codes.get("PERMISSION_DENIED", 0) > sent * 0.8, codes  # banned early on
+        # 10x the limit asked; at nice 10 on a busy 2-core box it gets less CPU (at nice 19, 490-684 calls
+        # in 20 s under two busy loops): what the test needs is a flood over the limit, which earns the
+        # 20 rejections of a ban within seconds (then PERMISSION_DENIED for the rest of the answered calls;
+        # on a loaded machine some calls pass their 2 s deadline unanswered: 213 of 1023 seen)
+        assert sent >= PEER_RPS * 1.2 * window, f"the flooder sent only {sent} calls in {window:.0f} s"
+        answered = sent - codes.get("DEADLINE_EXCEEDED", 0)
+        assert answered >= PEER_RPS * window and codes.get("PERMISSION_DENIED", 0) > answered * 0.8, codes
         assert result["idle_codes"] and "OK" not in result["idle_codes"], result["idle_codes"]
         assert len(honest) >= window * 2 and all(c == grpc.StatusCode.OK and dt < 2.0 for c, dt in honest), honest
         assert all(c == grpc.StatusCode.OK for c, _ in honest_before), honest_before

@@ -135,9 +135,8 @@ class FakeDonor:
         self.round, self.claimed, self.weights = 0, [], {}
         self.attacker.run(self._serve())
         # a member (its card, no round yet; in token mode with its token) downloads the honest phi and scrambles it
-        # a store can time out on a loaded machine (no replica answered in time): try again, as a node does
-        wait_for(lambda: self.attacker.run(self.attacker.publish_card(None, self.cfg_hash)), 30,
-                 "the DHT storing the attacker's card", poll=1.0)
+        # a store can time out on a loaded machine (no replica answered in time): store_card tries again
+        assert self.attacker.store_card(None, self.cfg_hash), "no DHT replica stored the attacker's card in 30 s"
         honest = wait_for(lambda: self._honest(swarm.workers[0]), 60, "a download of the honest state", poll=1.0)
         gen = torch.Generator().manual_seed(33)
         self.weights = {n: t.flatten()[torch.randperm(t.numel(), generator=gen)].view_as(t).clone()

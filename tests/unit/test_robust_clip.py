@@ -189,10 +189,12 @@ def test_backward_bound_crafted_numbers():
     clip = PartnerClip(multiplier=4.0, min_history=0, backward=1.0)
     v = clip.clip(ours, theirs, own_move=2.0, peer="p", origin=phi)   # radius 8 > ||(-2, 1, 0)||: no norm clip
     assert v.pulled_back == pytest.approx(3.0) and v.radius == 8.0
+    assert v.cut_distance == pytest.approx(math.sqrt(5)) and v.distance == pytest.approx(math.sqrt(37))
     assert torch.equal(v.tensors[0], torch.tensor([0.0, 1.0]))
     assert v.factor == pytest.approx(math.sqrt(5) / math.sqrt(37)) and v.hard   # 0.37 of the sent difference
     # without the origin (or backward=None) only the norm clip acts: 6.08 < 8, used as sent
-    assert PartnerClip(multiplier=4.0).clip(ours, theirs, own_move=2.0).factor == 1.0
+    uncut = PartnerClip(multiplier=4.0).clip(ours, theirs, own_move=2.0)
+    assert uncut.factor == 1.0 and uncut.cut_distance is None
     assert PartnerClip(multiplier=4.0, backward=None).clip(ours, theirs, 2.0, origin=phi).factor == 1.0
     # a list carrying phi after theta: only the first len(origin) tensors are bounded
     cut3, _ = bound_backward(ours + [torch.tensor([5.0])], theirs + [torch.tensor([-7.0])], phi, 1.0)
