@@ -55,6 +55,7 @@ if __package__ in (None, ""):  # allow `python benchmarks/robust_gossip.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.localswarm import LocalSwarm, NodeProc  # noqa: E402
+from optimizers.config import NoLoCoConfig  # noqa: E402
 
 MODEL = dict(d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
 COMMON = [
@@ -152,7 +153,8 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
                 f"noloco.seed={seed}", f"noloco.compute_delay_s={cfg['delay_s']}",
                 f"noloco.robust={'clip' if defence == 'on' else 'off'}"] + \
         (["noloco.outer=diloco"] if outer == "diloco" else []) + \
-        ([f"noloco.robust_backward={cfg['backward']}"] if cfg.get("backward") is not None else [])
+        ([f"noloco.robust_backward={cfg['backward']}"] if cfg.get("backward") is not None else []) + \
+        ([f"noloco.robust_multiplier={cfg['multiplier']}"] if cfg.get("multiplier") is not None else [])
     t0 = time.monotonic()
     run_id = f"robust-{outer}-{name}".replace("_", "-")
     with LocalSwarm(run_id=run_id, workdir=workdir, common_set=settings) as swarm:
@@ -166,7 +168,8 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
                  "--run-id", run_id, "--model", json.dumps(MODEL), "--kind", kind, "--outer", outer,
                  "--seconds", str(timeout_s), "--round-timeout", "4", "--seed", str(seed), "--out", str(out),
                  "--after-round", str(cfg.get("attack_after_round", 0)),
-                 "--backward", str(cfg.get("attacker_backward", cfg.get("backward") or 1.5))],
+                 "--backward", str(cfg.get("attacker_backward", cfg.get("backward") or 1.5)),
+                 "--multiplier", str(cfg.get("multiplier") or NoLoCoConfig().robust_multiplier)],
                 stdout=subprocess.PIPE, stderr=open(workdir / "attacker.log", "w"), text=True,
                 start_new_session=True)
             if proc.stdout.readline().strip() != "loaded":  # its imports take long on a loaded machine
@@ -293,10 +296,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backward", type=float, default=None,
                     help="noloco.robust_backward for the workers, and the cut the adaptive attacker assumes "
                          "(default: the workers' default, 1.5)")
+    ap.add_argument("--multiplier", type=float, default=None,
+                    help="noloco.robust_multiplier for the workers, and the radius the adaptive attacker assumes "
+                         "(default: the workers' default)")
     args = ap.parse_args(argv)
-    if args.backward is not None:
-        for c in (QUICK, FULL):
-            c["backward"] = args.backward
+    for key in ("backward", "multiplier"):
+        if getattr(args, key) is not None:
+            for c in (QUICK, FULL):
+                c[key] = getattr(args, key)
     if args.runs:
         for c in (QUICK, FULL):
             c["runs"] = {o: tuple(args.runs.split(",")) for o in ("noloco", "diloco")}

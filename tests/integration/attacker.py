@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -381,6 +382,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(line)
         print(line, flush=True)
         att.close()
+        shutil.rmtree(tmp, ignore_errors=True)  # its key file: nothing else is kept
     return 0
 
 
