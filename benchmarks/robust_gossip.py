@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import statistics
 import subprocess
@@ -49,6 +50,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from types import SimpleNamespace
 from typing import Any
 
 if __package__ in (None, ""):  # allow `python benchmarks/robust_gossip.py`
@@ -130,7 +132,8 @@ def worker_figures(node: NodeProc, outer: str, honest: set[str], attacker: str |
             if to_charge is None:  # a DiLoCo root's means: charged at the first one refused
                 to_charge = means_refused
     rounds = [r for r in recs if r.get("event") == "averaging_round_done"]
-    return {"name": node.name, "eval_loss_end": done[-1]["eval_loss_end"], "steps": done[-1].get("step"),
+    # float(): a diverged worker logs its loss as "nan" (JSON has no NaN)
+    return {"name": node.name, "eval_loss_end": float(done[-1]["eval_loss_end"]), "steps": done[-1].get("step"),
             "rounds": len(rounds), "rounds_ok": sum(r.get("outcome") == "ok" for r in rounds),
             "rounds_with_attacker": sum(attacker in (r.get("partners") or []) for r in rounds if attacker),
             "honest_judged": judged_honest, "honest_clipped": clipped_honest, "honest_clipped_hard": hard_honest,
@@ -199,9 +202,18 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
         honest = {w.peer_id for w in workers}
         attacker = tally.get("peer_id") if tally else None
         per = [worker_figures(w, outer, honest, attacker) for w in workers]
+    return run_figures(outer, name, per, tally, round(time.monotonic() - t0, 1))
+
+
+def run_figures(outer: str, name: str, per: list[dict], tally: dict | None, wall_s: float) -> dict[str, Any]:
+    """One run's figures from its workers' (``worker_figures``): a worker whose eval loss is not
+    finite (diverged: the undefended recipe) makes the run's mean inf, and is counted."""
     charged = [p["attacker_clipped_before_charge"] for p in per if p["attacker_clipped_before_charge"] is not None]
-    return {"outer": outer, "run": name, "wall_s": round(time.monotonic() - t0, 1),
-            "eval_loss_end_mean": statistics.fmean(p["eval_loss_end"] for p in per),
+    losses = [p["eval_loss_end"] for p in per]
+    diverged = sum(not math.isfinite(x) for x in losses)
+    return {"outer": outer, "run": name, "wall_s": wall_s,
+            "eval_loss_end_mean": math.inf if diverged else statistics.fmean(losses),
+            "workers_diverged": diverged,
             "honest_judged": sum(p["honest_judged"] for p in per),
             "honest_clipped": sum(p["honest_clipped"] for p in per),
             "attacker_judged_ok": sum(p["attacker_judged_ok"] for p in per),
@@ -209,6 +221,17 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
             "rounds_to_ban_attacker": min(charged) if charged else None,
             "workers_that_charged_attacker": len(charged),
             "attacker": tally, "workers": per}
+
+
+def _json_safe(x: Any) -> Any:
+    """``x`` with each non-finite float written as the string "inf" / "nan" (strict JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -242,7 +265,25 @@ def mode_summary(runs: dict[str, dict]) -> dict[str, Any]:
     return out
 
 
-def run(quick: bool, seed: int, out: str | None, outers: Sequence[str], keep: str | None = None) -> dict[str, Any]:
+def kept_run(outer: str, name: str, workdir: Path) -> dict[str, Any]:
+    """A run's figures read back from its kept logs (``--keep``; ``--from-keep``): for a run whose
+    swarms finished but whose summary was not written. wall_s is not known (None)."""
+    workers = []
+    for log_path in sorted(workdir.glob("w*.log")):
+        text = log_path.read_text()
+        first = next(json.loads(line) for line in text.splitlines() if line.startswith("{") and '"peer_id"' in line)
+        workers.append(SimpleNamespace(name=log_path.stem, peer_id=first["peer_id"], log_text=lambda t=text: t))
+    if not workers:
+        raise SystemExit(f"no worker logs (w*.log) in {workdir}: pass the --keep DIR of a finished run")
+    tally_path = workdir / "attacker.json"
+    tally = json.loads(tally_path.read_text()) if tally_path.exists() else None
+    honest = {w.peer_id for w in workers}
+    attacker = tally.get("peer_id") if tally else None
+    return run_figures(outer, name, [worker_figures(w, outer, honest, attacker) for w in workers], tally, None)
+
+
+def run(quick: bool, seed: int, out: str | None, outers: Sequence[str], keep: str | None = None,
+        from_keep: str | None = None) -> dict[str, Any]:
     cfg = QUICK if quick else FULL
     t0 = time.monotonic()
     runs: dict[str, dict[str, dict]] = {o: {} for o in outers}
@@ -250,10 +291,12 @@ def run(quick: bool, seed: int, out: str | None, outers: Sequence[str], keep: st
     jobs = [(o, name) for o in outers for name in cfg["runs"][o]]
     with TemporaryDirectory(prefix="robust-gossip-") as tmp:
         tmp = keep or tmp
+
         def one(job):
             o, name = job
             print(f"running {o} {name} ...", file=sys.stderr, flush=True)
-            r = run_swarm(o, name, cfg, seed, Path(tmp) / f"{o}-{name}", timeout)
+            r = (kept_run(o, name, Path(from_keep) / f"{o}-{name}") if from_keep else
+                 run_swarm(o, name, cfg, seed, Path(tmp) / f"{o}-{name}", timeout))
             print(f"  {o} {name}: eval loss {r['eval_loss_end_mean']:.4f}, honest clipped "
                   f"{r['honest_clipped']}/{r['honest_judged']}, attacker ok {r['attacker_judged_ok']} hard-clipped "
                   f"{r['attacker_clipped_hard']} charged after {r['rounds_to_ban_attacker']}, {r['wall_s']} s",
@@ -274,12 +317,13 @@ def run(quick: bool, seed: int, out: str | None, outers: Sequence[str], keep: st
     summary["rounds_to_ban_attacker"] = {o: per_mode[o]["rounds_to_ban_attacker"] for o in outers}
     summary["targets_met"] = {k: summary[k] is not None and summary[k] <= t for k, t in TARGETS.items()}
     result = {"benchmark": "robust_gossip", "measured": True, "quick": quick, "seed": seed,
-              "wall_s": round(time.monotonic() - t0, 1),
+              "wall_s": None if from_keep else round(time.monotonic() - t0, 1),
+              "from_keep": from_keep,  # rebuilt from a kept run's logs (its per-run wall times are lost)
               "quick_reduced": QUICK_REDUCED if quick else None,
               "config": {**{k: v for k, v in cfg.items()}, "common_set": COMMON, "model": MODEL},
               "summary": summary, "runs": runs}
     if out:
-        Path(out).write_text(json.dumps(result, indent=1, default=str))
+        Path(out).write_text(json.dumps(_json_safe(result), indent=1, default=str))
     return result
 
 
@@ -299,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--multiplier", type=float, default=None,
                     help="noloco.robust_multiplier for the workers, and the radius the adaptive attacker assumes "
                          "(default: the workers' default)")
+    ap.add_argument("--from-keep", metavar="DIR",
+                    help="start no processes: rebuild the JSON from the logs a finished run kept with --keep DIR "
+                         "(pass the same --quick, --outer, --runs and knobs)")
     args = ap.parse_args(argv)
     for key in ("backward", "multiplier"):
         if getattr(args, key) is not None:
@@ -310,8 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.parallel:
         for c in (QUICK, FULL):
             c["parallel"] = args.parallel
-    res = run(args.quick, args.seed, args.out, args.outer or ["noloco", "diloco"], args.keep)
-    print(json.dumps(res["summary"], indent=1))
+    res = run(args.quick, args.seed, args.out, args.outer or ["noloco", "diloco"], args.keep, args.from_keep)
+    print(json.dumps(_json_safe(res["summary"]), indent=1))
     print(f"wall {res['wall_s']} s", file=sys.stderr)
     return 0
 
