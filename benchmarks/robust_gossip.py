@@ -171,7 +171,7 @@ def run_swarm(outer: str, name: str, cfg: dict, seed: int, workdir: Path, timeou
                  "--run-id", run_id, "--model", json.dumps(MODEL), "--kind", kind, "--outer", outer,
                  "--seconds", str(timeout_s), "--round-timeout", "4", "--seed", str(seed), "--out", str(out),
                  "--after-round", str(cfg.get("attack_after_round", 0)),
-                 "--backward", str(cfg.get("attacker_backward", cfg.get("backward") or 1.5)),
+                 "--backward", str(cfg.get("attacker_backward", cfg.get("backward") or NoLoCoConfig().robust_backward)),
                  "--multiplier", str(cfg.get("multiplier") or NoLoCoConfig().robust_multiplier)],
                 stdout=subprocess.PIPE, stderr=open(workdir / "attacker.log", "w"), text=True,
                 start_new_session=True)

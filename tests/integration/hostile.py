@@ -160,36 +160,38 @@ class Attacker:
             ttl = min(ttl, self.token_expires_at - time.time() - 1)
         return await store_entry(self.dht, cards_key(self.run_id), self.peer_id, card, ttl)
 
+    async def _try_card(self, round_: int | None, cfg_hash: str, role: str) -> bool:
+        """One :meth:`publish_card`; a store no replica answered in time is False, not an error."""
+        try:
+            return await self.publish_card(round_, cfg_hash, role)
+        except (asyncio.TimeoutError, TimeoutError):
+            return False
+
     def store_card(self, round_: int | None, cfg_hash: str, role: str = "noloco", within_s: float = 30.0) -> bool:
         """Publish the card, trying again (as a node's republish loop does) until a DHT replica
         accepts it or ``within_s`` passes: a fresh DHT client on a loaded machine can see its first
-        store answered by nobody (no neighbour yet, or none in time). Returns whether one worked."""
-        async def once() -> bool:
-            try:
-                return await self.publish_card(round_, cfg_hash, role)
-            except (asyncio.TimeoutError, TimeoutError):
-                return False
+        store answered by nobody (no neighbour yet, or none in time); ``within_s`` 0: one try.
+        Returns whether one worked."""
         deadline = time.monotonic() + within_s
         while True:
-            if self.run(once()):
+            if self.run(self._try_card(round_, cfg_hash, role)):
                 return True
             if time.monotonic() > deadline:
                 return False
             time.sleep(1.0)
 
-    def keep_card(self, round_: int | None, cfg_hash: str, role: str = "noloco", every_s: float = 5.0) -> bool:
+    def keep_card(self, round_: int | None, cfg_hash: str, role: str = "noloco", every_s: float = 5.0,
+                  within_s: float = 30.0) -> bool:
         """Publish the card now and keep republishing it until :meth:`close` (a member that
         stays, or a refused writer that keeps trying); returns whether a first store worked
-        (tried for up to 30 s, see :meth:`store_card`)."""
-        stored = self.store_card(round_, cfg_hash, role)
+        (tried for up to ``within_s``, see :meth:`store_card`; pass 0 for a writer the swarm is
+        expected to refuse: one try, the republish loop keeps trying)."""
+        stored = self.store_card(round_, cfg_hash, role, within_s)
 
         async def loop():
             while not self._stop.is_set():
                 await asyncio.sleep(every_s)
-                try:
-                    await self.publish_card(round_, cfg_hash, role)
-                except (asyncio.TimeoutError, TimeoutError):
-                    pass  # a store no replica answered in time: the next republish tries again
+                await self._try_card(round_, cfg_hash, role)  # unanswered: the next republish tries again
         self.spawn(loop())
         return stored
 

@@ -86,7 +86,7 @@ def test_token_admission_on_a_live_swarm(tmp_path):
             assert holder.keep_card(None, cfg_hash, role="bootstrap", every_s=2.0)
             # no token: every swarm node's validator refuses the card (only the stranger's own DHT node
             # may keep it), and the stranger keeps trying
-            stranger.keep_card(None, cfg_hash, role="noloco", every_s=2.0)
+            stranger.keep_card(None, cfg_hash, role="noloco", every_s=2.0, within_s=0)
 
             def listed() -> set[str]:
                 return {r["peer_id"] for r in status_rows(sw, coordinator=coord_id)}

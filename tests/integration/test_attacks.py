@@ -274,7 +274,9 @@ def test_in_bound_poison_is_clipped_and_charged_and_readyz_stays_ready(swarm, tm
     # radius / distance a plain clip would keep
     def expected(c):
         d_cut = c["cut_distance"] or c["distance"]
-        return 2 * c["radius"] ** 2 / (d_cut * c["distance"]) if d_cut > 2 * c["radius"] else c["radius"] / c["distance"]
+        if d_cut > 2 * c["radius"]:
+            return 2 * c["radius"] ** 2 / (d_cut * c["distance"])
+        return c["radius"] / c["distance"]
     assert len(clips) >= 3 and all(c["hard"] and c["distance"] > 2 * c["radius"] for c in clips) and all(
         c["factor"] == pytest.approx(expected(c), abs=2e-4) for c in clips), \
         [(c["factor"], c["hard"], c["pulled_back"], c["cut_distance"], c["distance"], c["radius"]) for c in clips]
